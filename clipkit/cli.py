@@ -1,0 +1,284 @@
+"""The ``clipkit`` command line: parse, call one typed function in :mod:`clipkit.api`, print.
+
+Nothing heavy is imported at module level, so ``clipkit --help`` starts without torch.
+Experiment knobs are recipe overrides (``key=value``), not flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from clipkit.errors import ClipkitError
+
+HELP = """clipkit — contrastive multimodal (CLIP-family) pretraining research toolkit.
+
+Start with: clipkit train quickstart"""
+
+
+def fails_cleanly(command):
+    """Report user-facing errors as one message and exit code 2, without a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ClipkitError as error:
+            typer.secho(f"error: {error}", fg="red", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def registry():
+    from clipkit.registry import default_registry
+
+    return default_registry()
+
+
+def console():
+    from rich.console import Console
+
+    return Console()
+
+
+@fails_cleanly
+def shard_command(
+    source: Annotated[str, typer.Argument(help="Source URI or path, e.g. synthetic://shapes?n=4096")],
+    out: Annotated[Path, typer.Argument(help="Output directory for shard-*.tar + manifest.json")],
+    samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard")] = 1000,
+    option: Annotated[list[str], typer.Option("--option", "-o", help="Source option key=value")] = None,
+):
+    """Turn a data source into WebDataset shards with a manifest (global index per sample)."""
+    from clipkit import api
+
+    options = dict(parse_pairs(option or []))
+    with step_progress("sharding", total=None) as advance:
+        manifest = api.shard(
+            source, out, samples_per_shard=samples_per_shard, options=options, registry=registry(), progress=advance
+        )
+    typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
+
+
+@fails_cleanly
+def train_command(
+    recipe: Annotated[str, typer.Argument(help="Recipe NAME[@VARIANT] or a YAML file")],
+    overrides: Annotated[list[str], typer.Argument(help="key=value recipe overrides")] = None,
+    run_dir: Annotated[Path, typer.Option(help="Run directory (default runs/<recipe>-<time>)")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --run-dir from its newest checkpoint")] = False,
+):
+    """Train a recipe (sharding its data source first if needed), export and evaluate."""
+    from clipkit import api
+    from clipkit.recipe import section
+
+    recipe_dict = None if resume else api.resolve(recipe, overrides or [], registry())
+    steps = section(recipe_dict, "train").steps if recipe_dict else None
+    with step_progress("training", total=steps) as advance:
+        result = api.train(
+            recipe,
+            overrides or [],
+            run_dir=run_dir,
+            resume=resume,
+            registry=registry(),
+            progress=lambda step, metrics: advance(1, metrics),
+        )
+    print_summary(result)
+
+
+@fails_cleanly
+def export_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (recipe.yaml + checkpoints/)")],
+    out: Annotated[Path, typer.Argument(help="Export directory to write")],
+    checkpoint: Annotated[Path, typer.Option(help="A specific checkpoint (default: the newest)")] = None,
+):
+    """Write model.safetensors + clipkit.json from a run's checkpoint."""
+    from clipkit import api
+
+    path = api.export(run_dir, out, checkpoint=checkpoint, registry=registry())
+    typer.echo(f"exported {run_dir} to {path}")
+
+
+@fails_cleanly
+def eval_command(
+    export_dir: Annotated[Path, typer.Argument(help="An export directory (clipkit.json + model.safetensors)")],
+    task: Annotated[str, typer.Option(help="Eval task name (default: the export's recipe's eval list)")] = None,
+    data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
+    label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
+    output: Annotated[Path, typer.Option(help="Write the JSON report here")] = None,
+):
+    """Evaluate an export: zero-shot classification, retrieval, ..."""
+    from clipkit import api
+
+    tasks = None
+    if task is not None:
+        config = {"name": task, **dict(parse_pairs(set_ or [], typed=True))}
+        config.update({k: v for k, v in (("data", data), ("label", label)) if v is not None})
+        tasks = [config]
+    report = api.evaluate(export_dir, tasks, registry=registry(), output=output)
+    print_evals(report["results"])
+    if output:
+        typer.echo(f"report written to {output}")
+
+
+@fails_cleanly
+def plugins_command(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False):
+    """List plugins with their distribution, version and registered names."""
+    from clipkit.manager import plugin_distribution
+
+    reg = registry()
+    rows = []
+    owned = reg.by_plugin()
+    for name, plugin in sorted(reg.pm.list_name_plugin(), key=lambda item: item[0]):
+        distribution, version = plugin_distribution(reg.pm, plugin)
+        hooks = sorted(h.name for h in reg.pm.get_hookcallers(plugin) or [])
+        rows.append({"plugin": name, "distribution": distribution, "version": version,
+                     "registers": owned.get(name, {}), "hooks": hooks})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("plugin", "distribution", "registers")
+    for row in rows:
+        registers = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in row["registers"].items())
+        other = [h for h in row["hooks"] if not h.startswith("register_")]
+        table.add_row(row["plugin"], f"{row['distribution']} {row['version']}", registers or ", ".join(other))
+    console().print(table)
+
+
+@fails_cleanly
+def recipes_command():
+    """List recipes and their variants."""
+    from rich.table import Table
+
+    from clipkit.recipe import read_base
+
+    reg = registry()
+    table = Table("recipe", "variants", "description")
+    for entry in reg.entries("recipe"):
+        recipe = read_base(entry.name, reg)
+        variants = ", ".join(sorted(recipe.get("variants") or {}))
+        table.add_row(entry.name, variants, str(recipe.get("description", "")).strip().split("\n")[0])
+    console().print(table)
+
+
+@fails_cleanly
+def validate_command(
+    recipe: Annotated[str, typer.Argument(help="Recipe NAME[@VARIANT] or a YAML file")],
+    overrides: Annotated[list[str], typer.Argument(help="key=value recipe overrides")] = None,
+    show: Annotated[bool, typer.Option(help="Print the resolved recipe")] = False,
+):
+    """Check every plugin slot of a recipe against its factory's signature (builds nothing)."""
+    from clipkit import api
+
+    resolved = api.resolve(recipe, overrides or [], registry())
+    if show:
+        from omegaconf import OmegaConf
+
+        typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    typer.echo(f"{resolved['name']}: ok")
+
+
+def parse_pairs(items: list[str], typed: bool = False) -> list[tuple[str, object]]:
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ClipkitError(f"expected key=value, got {item!r}")
+        if typed:
+            from omegaconf import OmegaConf
+
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"x={value}"]))["x"]
+        pairs.append((key, value))
+    return pairs
+
+
+class step_progress:
+    """A rich progress bar on stderr (hidden when stderr is not a terminal); yields advance(n, metrics)."""
+
+    def __init__(self, description: str, total: int | None) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"), console=Console(stderr=True), transient=False,
+            disable=not sys.stderr.isatty(),
+        )
+        self.task = self.progress.add_task(description, total=total, status="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+
+        def advance(n: int = 1, metrics: dict | None = None) -> None:
+            status = f"loss {metrics['loss']:.4f}" if metrics and isinstance(metrics.get("loss"), float) else ""
+            self.progress.update(self.task, advance=n, status=status)
+
+        return advance
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+
+def print_summary(result) -> None:
+    typer.echo(f"run: {result.run_dir}  ({result.seconds:.0f} s)")
+    shown = {k: v for k, v in result.metrics.items() if k in ("loss", "acc_i2t", "logit_scale", "lr", "epoch")}
+    typer.echo("final: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
+    if result.export_dir:
+        typer.echo(f"export: {result.export_dir}")
+    if result.evals:
+        print_evals(result.evals)
+        typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
+
+
+def print_evals(results: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table("task", "data", "metric", "value")
+    for result in results:
+        where = f"{result.get('data', '')}" + (f" [{result['label']}]" if "label" in result else "")
+        for key, value in result.items():
+            if isinstance(value, float) and key not in ("chance",):
+                note = f"  ({value / result['chance']:.1f}x chance)" if key == "top1" and "chance" in result else ""
+                table.add_row(result["name"], where, key, f"{value:.4f}{note}")
+    console().print(table)
+
+
+def make_app(pm=None) -> typer.Typer:
+    """A fresh Typer app with the built-in commands and every plugin's ``register_commands``."""
+    app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+    app.command("shard")(shard_command)
+    app.command("train")(train_command)
+    app.command("export")(export_command)
+    app.command("eval")(eval_command)
+    app.command("plugins")(plugins_command)
+    app.command("recipes")(recipes_command)
+    app.command("validate")(validate_command)
+    from clipkit.registry import use_plugin_manager
+
+    if pm is None:
+        from clipkit.manager import make_plugin_manager
+
+        pm = make_plugin_manager()
+    use_plugin_manager(pm)
+    pm.hook.register_commands(app=app)
+    return app
+
+
+def main() -> None:
+    try:
+        app = make_app()
+    except ClipkitError as error:
+        typer.secho(f"error: {error}", fg="red", err=True)
+        raise SystemExit(2) from None
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Errors clipkit reports to users (the CLI prints them without a traceback)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ClipkitError(Exception):
+    """An error whose message is meant for the user (exit code 2 from the CLI)."""
+
+
+class PluginError(ClipkitError):
+    """A plugin misbehaved: duplicate names, bad registrations."""
+
+
+class UnknownNameError(ClipkitError, KeyError):
+    """A recipe or command named a plugin that is not registered."""
+
+    def __init__(self, kind: str, name: str, known: Iterable[str], where: str = "") -> None:
+        known = sorted(known)
+        self.kind, self.name, self.suggestions = kind, name, close_matches(name, known)
+        hint = f" Did you mean: {', '.join(self.suggestions)}?" if self.suggestions else ""
+        location = f"{where}: " if where else ""
+        message = f"{location}unknown {kind} {name!r}.{hint} Known {kind}s: {', '.join(known) or '(none)'}."
+        super().__init__(message)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class RecipeError(ClipkitError):
+    """A recipe failed validation; ``errors`` lists every problem as 'key.path: message'."""
+
+    def __init__(self, recipe: str, errors: list[str]) -> None:
+        self.recipe, self.errors = recipe, errors
+        lines = "\n".join(f"  - {e}" for e in errors)
+        super().__init__(f"recipe {recipe!r} has {len(errors)} error(s):\n{lines}")
+
+
+class DataError(ClipkitError):
+    """Bad input data; the message names the file, key or sample."""
+
+
+def close_matches(name: str, known: Iterable[str], n: int = 3) -> list[str]:
+    return difflib.get_close_matches(name, list(known), n=n, cutoff=0.5)

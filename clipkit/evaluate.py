@@ -1,0 +1,125 @@
+"""Evaluation helpers shared by eval plugins, and the runner behind ``clipkit eval``.
+
+Scores always go through the model's own similarity (never a hard-coded cosine × 100),
+so every similarity clipkit has — including ones that do not factorise into embeddings —
+can be evaluated. Random-feature similarities get a generator re-seeded with the export's
+``eval_seed`` on every call, so images and texts see the same features.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clipkit.data import decode_image
+from clipkit.errors import ClipkitError, DataError
+from clipkit.model import ContrastiveModel, build_slot
+from clipkit.registry import Registry
+from clipkit.shard import open_source
+from clipkit.types import PointSet, Sample
+
+
+def cat_points(parts: Sequence[PointSet]) -> PointSet:
+    """Concatenate point sets along the batch (all parts must have the same M)."""
+    points = torch.cat([p.points for p in parts])
+    weights = None if parts[0].weights is None else torch.cat([p.weights for p in parts])
+    mask = None if parts[0].mask is None else torch.cat([p.mask for p in parts])
+    return PointSet(points, weights, mask)
+
+
+def slice_points(points: PointSet, start: int, stop: int) -> PointSet:
+    return PointSet(
+        points.points[start:stop],
+        None if points.weights is None else points.weights[start:stop],
+        None if points.mask is None else points.mask[start:stop],
+    )
+
+
+def eval_generator(model: ContrastiveModel) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(int(getattr(model, "eval_seed", 0)))
+    return generator
+
+
+@torch.no_grad()
+def encode_images(model: ContrastiveModel, samples: Sequence[Sample], batch_size: int = 256) -> PointSet:
+    """Decode, preprocess (eval transform) and encode -> PointSet [len(samples), M_x, d] (fp32)."""
+    parts = []
+    rng = random.Random(0)  # the eval transform is deterministic; the rng is unused
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        images = torch.stack([model.transform(decode_image(s.image, f"sample {s.key}"), rng) for s in chunk])
+        parts.append(model.encode_image(images).float())
+    return cat_points(parts)
+
+
+@torch.no_grad()
+def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int = 256) -> PointSet:
+    """Tokenize and encode -> PointSet [len(texts), M_y, d] (fp32)."""
+    parts = []
+    for start in range(0, len(texts), batch_size):
+        parts.append(model.encode_text(model.tokenizer(list(texts[start : start + batch_size]))).float())
+    return cat_points(parts)
+
+
+@torch.no_grad()
+def image_text_logits(model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256) -> torch.Tensor:
+    """[N_images, N_texts] similarity logits, computed in image chunks."""
+    rows = []
+    for start in range(0, images.batch_size, chunk):
+        part = slice_points(images, start, start + chunk)
+        rows.append(model.similarity(part, texts, generator=eval_generator(model)).i2t)
+    return torch.cat(rows)
+
+
+def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+    """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
+    k = min(k, logits.shape[1])
+    hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
+    return float(hits.float().mean())
+
+
+def recall_at_k(logits: torch.Tensor, positives: torch.Tensor, k: int) -> float:
+    """Fraction of rows with at least one positive among the top k. logits, positives: [N, C] (bool)."""
+    k = min(k, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    return float(positives.gather(1, top).any(dim=1).float().mean())
+
+
+def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:
+    """All samples (up to ``limit``) and the info of the source at ``data``."""
+    source = open_source(data, pm=registry.pm)
+    samples: list[Sample] = []
+    for sample in source:
+        if limit is not None and len(samples) >= limit:
+            break
+        samples.append(sample)
+    if not samples:
+        raise DataError(f"{data}: no samples to evaluate")
+    return samples, dict(source.info())
+
+
+def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry: Registry) -> list[dict]:
+    """Build each eval task by registered name and run it on ``model``."""
+    results = []
+    model.eval()
+    for i, config in enumerate(tasks):
+        task = build_slot(registry, "eval", config, f"eval.{i}")
+        result = task(model, registry)
+        results.append({"name": config["name"], **result})
+    return results
+
+
+def evaluate_export(export_dir: Path, tasks: list[dict] | None, registry: Registry) -> dict[str, Any]:
+    """Load an export and run ``tasks`` (default: the eval section of its recipe)."""
+    from clipkit.export import load_export
+
+    model, metadata = load_export(export_dir, registry)
+    tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
+    if not tasks:
+        raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")
+    return {"export": str(export_dir), "results": run_evals(model, tasks, registry)}

@@ -1,0 +1,114 @@
+"""Every hook a clipkit plugin can implement.
+
+A plugin is a module (or object) with functions decorated by :data:`hookimpl` and named
+like the specs below. Built-in plugins (``clipkit.plugins.*``) use the same hooks as
+third-party packages, which declare themselves under the ``clipkit`` entry-point group::
+
+    [project.entry-points.clipkit]
+    my_plugin = "my_package.plugin"
+
+Registration hooks receive a ``register(name, factory)`` callback. The host owns
+validation: a name registered twice is an error naming both plugins, and recipes refer
+to plugins only by these names. Keep module import light (import torch inside the hook
+or the factory) so ``clipkit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "clipkit"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def register_encoders(register):
+    """Register encoder factories: ``register(name, factory)``.
+
+    ``factory(**recipe_kwargs) -> nn.Module`` whose ``forward`` returns a
+    :class:`clipkit.types.PointSet`. The host also passes, when the factory's signature
+    names them: ``embed_dim`` (model.embed_dim), ``image_size`` (image encoders),
+    ``vocab_size`` and ``context_length`` (text encoders, from the tokenizer).
+    """
+
+
+@hookspec
+def register_tokenizers(register):
+    """Register tokenizer factories: ``factory(**kwargs) -> Tokenizer`` (texts -> [B, L] ids)."""
+
+
+@hookspec
+def register_similarities(register):
+    """Register similarity factories: ``factory(**kwargs) -> nn.Module`` implementing
+    :class:`clipkit.types.Similarity`. Learnable parameters (temperature, bandwidth) live in
+    the module; ``embed_dim`` is passed when the signature names it."""
+
+
+@hookspec
+def register_losses(register):
+    """Register loss factories: ``factory(**kwargs) -> Loss`` (a callable with ``requires``).
+
+    The host passes ``num_samples`` (dataset size n from the shard manifest) when the
+    signature names it, for per-sample state (SogCLR, NUCLR). A loss holding state is an
+    ``nn.Module`` whose buffers are saved in checkpoints.
+    """
+
+
+@hookspec
+def register_optimizers(register):
+    """Register optimizer factories: ``factory(named_parameters, **kwargs) -> torch.optim.Optimizer``.
+
+    ``named_parameters`` is a list of ``(name, parameter)`` so the factory builds its own
+    parameter groups (e.g. no weight decay on gains, biases and temperatures).
+    """
+
+
+@hookspec
+def register_schedules(register):
+    """Register learning-rate schedule factories:
+    ``factory(optimizer, total_steps, **kwargs) -> torch.optim.lr_scheduler.LRScheduler``."""
+
+
+@hookspec
+def register_evals(register):
+    """Register evaluation tasks: ``factory(**kwargs) -> task``; ``task(model, registry) -> dict``.
+
+    ``model`` is a :class:`clipkit.model.ContrastiveModel` loaded from an export (or the
+    in-memory export during training); the returned dict is JSON-serialisable and has a
+    ``"table"`` list of ``{metric: value}`` rows for printing.
+    """
+
+
+@hookspec
+def register_recipes(register):
+    """Register recipes: ``register(name, factory)`` with ``factory() -> dict`` (the YAML's
+    content). Plugin packages can ship paper recipes this way."""
+
+
+@hookspec
+def register_commands(app):
+    """Add Typer sub-commands to the ``clipkit`` application ``app``."""
+
+
+@hookspec(firstresult=True)
+def open_source(uri, options):
+    """Open a data source for ``clipkit shard`` and evaluation, or return None if ``uri`` is
+    not yours. The first non-None result wins; built-in sources are ``trylast`` so plugins
+    can take over any scheme.
+
+    uri:     e.g. ``synthetic://shapes?n=4096`` or a path.
+    options: dict of extra options (from the CLI or recipe).
+    Returns an iterable of :class:`clipkit.types.Sample` with an ``info() -> dict`` method.
+    """
+
+
+@hookspec
+def on_metrics(step, metrics, run):
+    """Receive a metrics dict (JSON-serialisable floats) at optimiser step ``step``.
+
+    ``run`` is a :class:`clipkit.train.RunInfo` (run directory, recipe name, whether
+    this process is the main one). Called on every process; loggers usually write only
+    when ``run.is_main``.
+    """

@@ -1,0 +1,57 @@
+"""Atomic file writes: a crash leaves either the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        yield Path(temporary)
+        _fsync(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    with atomic_path(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path | str) -> Iterator[Path]:
+    """Build a directory under a temporary name; it replaces ``path`` only when complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield temporary
+        if path.exists():
+            # Swap: move the old one aside first so a crash between the renames loses nothing.
+            aside = path.with_name(f".{path.name}.old")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            os.replace(temporary, path)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(temporary, path)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as stream:
+        os.fsync(stream.fileno())

@@ -1,0 +1,112 @@
+"""The model a recipe builds: towers + similarity (+ tokenizer and preprocessing).
+
+Everything is built from registered names through :func:`build_slot`, which passes the
+host-supplied arguments (``embed_dim``, ``vocab_size``, ...) only to factories whose
+signature names them — the same rule :func:`clipkit.recipe.validate` checks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from clipkit.data import ImageTransform
+from clipkit.recipe import SLOTS, section
+from clipkit.registry import Registry
+from clipkit.types import PointSet
+
+INJECTED = {slot.path: slot.injected for slot in SLOTS}
+
+
+def build_slot(registry: Registry, kind: str, config: dict, where: str, /, *args: Any, **available: Any):
+    """Call the factory registered as ``config['name']`` with the slot's arguments.
+
+    ``args`` are positional host arguments (the optimizer's ``named_parameters``);
+    ``available`` are host keyword arguments, passed only when the factory names them.
+    """
+    entry = registry.get(kind, config["name"], where=where)
+    parameters = inspect.signature(entry.factory).parameters
+    kwargs = {k: v for k, v in config.items() if k != "name"}
+    kwargs.update({k: v for k, v in available.items() if k in parameters})
+    return entry.factory(*args, **kwargs)
+
+
+class ContrastiveModel(nn.Module):
+    """Two towers and the similarity that compares their point sets.
+
+    pair = "image_text": batch["image"] [B,3,S,S] vs batch["text"] [B,L].
+    pair = "two_view":   batch["image"] vs batch["image2"], one shared image encoder
+                         (SimCLR-style single-modality training through the same loop).
+    """
+
+    def __init__(
+        self, image_encoder, text_encoder, similarity, tokenizer, transform: ImageTransform, pair: str, eval_seed: int = 0
+    ):
+        super().__init__()
+        self.image_encoder = image_encoder
+        self.text_encoder = text_encoder
+        self.similarity = similarity
+        self.tokenizer = tokenizer
+        self.transform = transform
+        self.pair = pair
+        self.eval_seed = eval_seed  # fixes random features (WPSE) at evaluation and in exports
+
+    def encode_image(self, images: torch.Tensor) -> PointSet:
+        """[B, 3, S, S] -> PointSet [B, M_x, d]."""
+        return self.image_encoder(images)
+
+    def encode_text(self, tokens: torch.Tensor) -> PointSet:
+        """[B, L] token ids -> PointSet [B, M_y, d]."""
+        if self.text_encoder is None:
+            raise RuntimeError("this model has no text encoder (model.pair = two_view)")
+        return self.text_encoder(tokens)
+
+    def forward(self, batch: dict[str, Any]) -> tuple[PointSet, PointSet]:
+        """The two sides of each positive pair for this batch."""
+        if self.pair == "two_view":
+            return self.encode_image(batch["image"]), self.encode_image(batch["image2"])
+        return self.encode_image(batch["image"]), self.encode_text(batch["text"])
+
+
+def build_transform(recipe: dict, *, train: bool) -> ImageTransform:
+    model, data = section(recipe, "model"), recipe.get("data") or {}
+    return ImageTransform(
+        image_size=model.image_size,
+        mean=tuple(model.mean),
+        std=tuple(model.std),
+        crop_scale=tuple(data.get("crop_scale", (1.0, 1.0))) if train else (1.0, 1.0),
+        hflip=bool(data.get("hflip", False)) and train,
+    )
+
+
+def build_model(recipe: dict, registry: Registry) -> ContrastiveModel:
+    """Build the towers, tokenizer and similarity named by a validated recipe."""
+    model = section(recipe, "model")
+    tokenizer = None
+    text_encoder = None
+    if model.pair == "image_text":
+        tokenizer = build_slot(registry, "tokenizer", model.tokenizer, "model.tokenizer")
+        text_encoder = build_slot(
+            registry,
+            "encoder",
+            model.text_encoder,
+            "model.text_encoder",
+            embed_dim=model.embed_dim,
+            vocab_size=tokenizer.vocab_size,
+            context_length=tokenizer.context_length,
+        )
+    image_encoder = build_slot(
+        registry,
+        "encoder",
+        model.image_encoder,
+        "model.image_encoder",
+        embed_dim=model.embed_dim,
+        image_size=model.image_size,
+    )
+    similarity = build_slot(registry, "similarity", recipe["similarity"], "similarity", embed_dim=model.embed_dim)
+    transform = build_transform(recipe, train=False)
+    eval_seed = int(recipe.get("eval_seed", 0))
+    return ContrastiveModel(image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed)

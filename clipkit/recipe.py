@@ -1,0 +1,336 @@
+"""Recipes: OmegaConf YAML naming plugins by registered name.
+
+``load_recipe("clip@tiny", ["train.steps=20"])`` resolves a registered recipe (or a
+YAML file path), applies the variant then the ``key=value`` overrides, and returns a
+plain dict. :func:`validate` checks every plugin slot against its factory's signature
+without building anything and returns *all* errors with their key paths.
+
+Changing a slot's ``name`` (``loss.name=siglip`` or in a variant) resets that slot's
+arguments to the new factory's defaults, so arguments of the old plugin never leak
+into the new one; set new arguments after the name (``loss.name=x loss.foo=1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from clipkit.errors import RecipeError, UnknownNameError, close_matches
+from clipkit.registry import Registry
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place in a recipe that names a plugin: its key path, kind and host-supplied arguments."""
+
+    path: str
+    kind: str
+    injected: frozenset[str]
+
+
+#: Plugin slots of a recipe. ``injected`` arguments are passed by the host when the factory names them.
+SLOTS = (
+    Slot("model.image_encoder", "encoder", frozenset({"embed_dim", "image_size"})),
+    Slot("model.text_encoder", "encoder", frozenset({"embed_dim", "vocab_size", "context_length"})),
+    Slot("model.tokenizer", "tokenizer", frozenset()),
+    Slot("similarity", "similarity", frozenset({"embed_dim"})),
+    Slot("loss", "loss", frozenset({"num_samples"})),
+    Slot("optimizer", "optimizer", frozenset({"named_parameters"})),
+    Slot("schedule", "schedule", frozenset({"optimizer", "total_steps"})),
+)
+EVAL_INJECTED = frozenset()
+
+
+@dataclass
+class DataConfig:
+    """``data:`` — where training samples come from."""
+
+    shards: str = ""  # directory with manifest.json; created from `source` when missing
+    source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
+    batch_size: int = 128
+    num_workers: int = 0
+    shuffle_buffer: int = 1000
+    crop_scale: tuple = (1.0, 1.0)  # random-resized-crop area range for training images
+    hflip: bool = False  # random horizontal flips (off: captions may say left/right)
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` — shared settings of the towers (the slots are checked separately)."""
+
+    embed_dim: int = 512
+    image_size: int = 224
+    mean: tuple = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation
+    std: tuple = (0.26862954, 0.26130258, 0.27577711)
+    pair: str = "image_text"  # or "two_view": one image encoder, two augmented views
+    image_encoder: Any = None
+    text_encoder: Any = None
+    tokenizer: Any = None
+
+
+@dataclass
+class TrainConfig:
+    """``train:`` — the loop's knobs."""
+
+    steps: int = 1000
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    precision: str = "no"  # "no" (fp32), "bf16", "fp16"
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+    export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
+TOP_LEVEL = {"name", "description", "seed", "eval_seed", "paper", "notes", "eval", "variants", "similarity", "loss"}
+TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
+PRECISIONS = ("no", "bf16", "fp16")
+PAIRS = ("image_text", "two_view")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """'clip@tiny' -> ('clip', 'tiny'); 'clip' -> ('clip', None)."""
+    name, _, variant = spec.partition("@")
+    return name, (variant or None)
+
+
+def read_base(name: str, registry: Registry) -> dict:
+    """A registered recipe by name, or a YAML file when ``name`` is a path."""
+    from omegaconf import OmegaConf
+
+    if name.endswith((".yaml", ".yml")) or Path(name).is_file():
+        path = Path(name)
+        if not path.is_file():
+            raise RecipeError(name, [f"recipe file {path} does not exist"])
+        return OmegaConf.to_container(OmegaConf.load(path))
+    return copy.deepcopy(registry.factory("recipe", registry.get("recipe", name).name)())
+
+
+def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, registry: Registry) -> dict:
+    """Resolve ``NAME[@VARIANT]`` plus ``key=value`` overrides into a plain dict (not validated)."""
+    from omegaconf import OmegaConf
+
+    base_name, variant = split_spec(spec)
+    recipe = read_base(base_name, registry)
+    variants = recipe.pop("variants", None) or {}
+    config = OmegaConf.create(recipe)
+    if variant is not None:
+        if variant not in variants:
+            raise UnknownNameError("variant", variant, variants, where=f"recipe {base_name!r}")
+        for key, value in variants[variant].items():
+            apply_override(config, key, value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise RecipeError(spec, [f"override {item!r} is not of the form key=value"])
+        apply_override(config, key.strip(), OmegaConf.from_dotlist([f"x={text}"]).x)
+    resolved = OmegaConf.to_container(config, resolve=True)
+    resolved["name"] = spec if Path(base_name).suffix not in (".yaml", ".yml") else Path(base_name).stem
+    resolved["overrides"] = list(overrides)
+    return resolved
+
+
+def apply_override(config, key: str, value: Any) -> None:
+    """Set ``key`` (dotted) to ``value``, merging mappings; a new slot ``name`` resets the slot."""
+    from omegaconf import OmegaConf
+
+    slot_paths = {slot.path for slot in SLOTS}
+    parent, _, leaf = key.rpartition(".")
+    if leaf == "name" and parent in slot_paths | _eval_paths(config):
+        current = OmegaConf.select(config, parent)
+        if current is None or current.get("name") != value:
+            OmegaConf.update(config, parent, {"name": value}, merge=False)
+        return
+    if isinstance(value, dict) and key in slot_paths and "name" in value:
+        current = OmegaConf.select(config, key)
+        if current is None or current.get("name") != value["name"]:
+            OmegaConf.update(config, key, value, merge=False)
+            return
+    OmegaConf.update(config, key, value, merge=True, force_add=True)
+
+
+def _eval_paths(config) -> set[str]:
+    tasks = config.get("eval") or []
+    return {f"eval.{i}" for i in range(len(tasks))}
+
+
+def save_recipe(recipe: dict, path: Path) -> None:
+    """Write the resolved recipe as YAML, atomically."""
+    from omegaconf import OmegaConf
+
+    from clipkit.io import atomic_write_text
+
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(recipe)))
+
+
+def variants_of(name: str, registry: Registry) -> list[str]:
+    return sorted((read_base(name, registry).get("variants") or {}).keys())
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(recipe: dict, registry: Registry) -> list[str]:
+    """Every problem in ``recipe`` as 'key.path: message'; empty when it is valid."""
+    errors: list[str] = []
+    for key in recipe:
+        if key not in TOP_LEVEL | {"overrides"}:
+            errors.append(_unknown_key(key, key, TOP_LEVEL))
+    for section, schema in SECTIONS.items():
+        errors += _check_section(recipe.get(section), section, schema)
+    for slot in SLOTS:
+        if slot.path == "model.text_encoder" and _get(recipe, "model.pair") == "two_view":
+            continue
+        errors += check_slot(_get(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
+    tasks = recipe.get("eval") or []
+    if not isinstance(tasks, list):
+        errors.append("eval: must be a list of tasks ({name: ..., ...})")
+        tasks = []
+    for i, task in enumerate(tasks):
+        errors += check_slot(task, f"eval.{i}", "eval", EVAL_INJECTED, registry)
+    errors += _check_values(recipe)
+    return errors
+
+
+def validate_or_raise(recipe: dict, registry: Registry) -> dict:
+    errors = validate(recipe, registry)
+    if errors:
+        raise RecipeError(recipe.get("name", "?"), errors)
+    return recipe
+
+
+def check_slot(config: Any, path: str, kind: str, injected: frozenset[str], registry: Registry) -> list[str]:
+    """Bind a slot's arguments to its factory's signature without calling it."""
+    if config is None:
+        return [f"{path}: missing (a mapping with the {kind}'s registered `name`)"]
+    if not isinstance(config, dict) or not isinstance(config.get("name"), str):
+        return [f"{path}: must be a mapping with a `name` naming a registered {kind}"]
+    try:
+        entry = registry.get(kind, config["name"])
+    except UnknownNameError as error:
+        return [f"{path}.name: {error}"]
+    kwargs = {k: v for k, v in config.items() if k != "name"}
+    return check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
+
+
+def check_arguments(factory, kwargs: dict, path: str, what: str, injected: frozenset[str]) -> list[str]:
+    parameters = inspect.signature(factory).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = {n: p for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    hints = _type_hints(factory)
+    errors = []
+    for key, value in kwargs.items():
+        if key in injected and key in named:
+            errors.append(f"{path}.{key}: set by clipkit for {what}; remove it from the recipe")
+        elif key not in named and not accepts_any:
+            accepted = sorted(set(named) - injected)
+            errors.append(_unknown_key(f"{path}.{key}", key, accepted, f"for {what}"))
+        elif key in hints:
+            problem = _type_problem(value, hints[key])
+            if problem:
+                errors.append(f"{path}.{key}: {problem}")
+    for name, parameter in named.items():
+        if parameter.default is inspect.Parameter.empty and name not in kwargs and name not in injected:
+            errors.append(f"{path}.{name}: missing required argument of {what}")
+    return errors
+
+
+def _type_hints(factory) -> dict[str, Any]:
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # unresolvable annotations: skip type checks rather than fail validation
+        return {}
+
+
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """A message when ``value`` clearly cannot be ``hint`` (simple types only), else None."""
+    allowed = _simple_types(hint)
+    if allowed is None or value is None and type(None) in allowed:
+        return None
+    if isinstance(value, bool) and bool not in allowed:
+        return f"expected {_type_names(allowed)}, got bool {value!r}"
+    if any(isinstance(value, t) for t in allowed) or (isinstance(value, int) and float in allowed):
+        return None
+    return f"expected {_type_names(allowed)}, got {type(value).__name__} {value!r}"
+
+
+def _simple_types(hint: Any) -> tuple[type, ...] | None:
+    origin = typing.get_origin(hint)
+    if hint in (int, float, str, bool):
+        return (hint,)
+    if origin in (list, tuple) or hint in (list, tuple):
+        return (list, tuple)
+    if origin is dict or hint is dict:
+        return (dict,)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        parts = [_simple_types(arg) if arg is not type(None) else (type(None),) for arg in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+    return None
+
+
+def _type_names(types_: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types_)
+
+
+def _check_section(config: Any, section: str, schema) -> list[str]:
+    if config is None:
+        return [] if section == "train" else [f"{section}: missing section"]
+    if not isinstance(config, dict):
+        return [f"{section}: must be a mapping"]
+    known = {f.name: f for f in fields(schema)}
+    hints = typing.get_type_hints(schema)
+    errors = []
+    for key, value in config.items():
+        if key not in known:
+            errors.append(_unknown_key(f"{section}.{key}", key, known))
+        elif known[key].default is not None:  # slots (default None) are checked by check_slot
+            problem = _type_problem(value, hints[key])
+            if problem:
+                errors.append(f"{section}.{key}: {problem}")
+    return errors
+
+
+def _check_values(recipe: dict) -> list[str]:
+    errors = []
+    data, train, model = (recipe.get(k) or {} for k in ("data", "train", "model"))
+    if isinstance(data, dict) and not (data.get("shards") or data.get("source")):
+        errors.append("data: set `shards` (a shard directory) and/or `source` (a URI to shard from)")
+    if isinstance(train, dict) and train.get("precision", "no") not in PRECISIONS:
+        errors.append(f"train.precision: must be one of {', '.join(PRECISIONS)}")
+    if isinstance(model, dict) and model.get("pair", "image_text") not in PAIRS:
+        errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
+    for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
+        value = _get(recipe, path)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            errors.append(f"{path}: must be > 0, got {value}")
+    return errors
+
+
+def _unknown_key(path: str, key: str, known, context: str = "") -> str:
+    matches = close_matches(key, known)
+    hint = f"; did you mean {', '.join(matches)}?" if matches else ""
+    context = f" {context}" if context else ""
+    return f"{path}: unknown key{context}{hint} (known: {', '.join(sorted(known))})"
+
+
+def _get(recipe: dict, path: str) -> Any:
+    node: Any = recipe
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def section(recipe: dict, name: str):
+    """A typed view of ``data``/``model``/``train`` with defaults filled in (after validation)."""
+    schema = SECTIONS[name]
+    return schema(**(recipe.get(name) or {}))

@@ -1,0 +1,227 @@
+"""Types that cross plugin boundaries.
+
+Every encoder returns a :class:`PointSet`; every similarity maps two point sets to
+:class:`Logits`; every loss maps logits (plus the :class:`LossContext` fields it
+declares in ``requires``) to a :class:`LossOutput`. Plain CLIP is the case M == 1.
+
+Shapes use B (batch), M (points per input), d (embedding width), Na/Nb (anchors,
+candidates). Torch is imported lazily by the modules that build tensors; this
+module only needs it for type annotations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PointSet:
+    """A batch of (optionally weighted, optionally masked) point sets.
+
+    points:  [B, M, d]  the points; encoders L2-normalise each row unless documented otherwise.
+    weights: [B, M] > 0, or None for uniform weights 1/M (over the unmasked points).
+    mask:    [B, M] bool, True = a real point (e.g. a non-padding token), or None for all real.
+    """
+
+    points: Tensor
+    weights: Tensor | None = None
+    mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.points.dim() != 3:
+            raise ValueError(f"PointSet.points must be [B, M, d], got shape {tuple(self.points.shape)}")
+        batch_points = tuple(self.points.shape[:2])
+        for name in ("weights", "mask"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != batch_points:
+                raise ValueError(f"PointSet.{name} must be [B, M] = {batch_points}, got {tuple(value.shape)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.points.shape[0]
+
+    @property
+    def num_points(self) -> int:
+        return self.points.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.points.shape[2]
+
+    def normalized_weights(self) -> Tensor:
+        """[B, M] weights summing to 1 per row, zero on masked points (uniform when weights is None)."""
+        import torch
+
+        weights = self.weights if self.weights is not None else torch.ones_like(self.points[..., 0])
+        if self.mask is not None:
+            weights = weights * self.mask.to(weights.dtype)
+        return weights / weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+    def mean(self) -> Tensor:
+        """[B, d] weighted mean of the points (masked points excluded)."""
+        return (self.normalized_weights().unsqueeze(-1) * self.points).sum(dim=1)
+
+    def float(self) -> PointSet:
+        """The same point set in fp32 (similarities and losses always run in fp32)."""
+        return PointSet(
+            self.points.float(),
+            None if self.weights is None else self.weights.float(),
+            self.mask,
+        )
+
+    def to(self, device: torch.device | str) -> PointSet:
+        return PointSet(
+            self.points.to(device),
+            None if self.weights is None else self.weights.to(device),
+            None if self.mask is None else self.mask.to(device),
+        )
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Similarity logits, rows = anchors.
+
+    i2t: [Na, Nb]  image anchors against text candidates.
+    t2i: [Nb, Na]  text anchors against image candidates. Usually ``i2t.T``, but not for
+                   CLOOB, whose Hopfield-retrieved embeddings differ per direction.
+    """
+
+    i2t: Tensor
+    t2i: Tensor
+
+    @classmethod
+    def symmetric(cls, i2t: Tensor) -> Logits:
+        return cls(i2t=i2t, t2i=i2t.t())
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss returns.
+
+    loss:    scalar tensor to back-propagate (may be a surrogate, e.g. NUCLR's).
+    metrics: user-facing numbers (the objective, accuracies, temperatures...); floats or 0-d tensors.
+    """
+
+    loss: Tensor
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: Fields a loss may declare in ``requires``; the loop builds only those.
+CONTEXT_FIELDS = frozenset({"index", "meta", "in_modal", "features", "step", "epoch"})
+
+
+class LossContext:
+    """Everything a loss may need beyond the logits, holding only what it declared.
+
+    Fields (each present only when the loss lists it in ``requires``):
+      index:    [N] long, global sample index in [0, n) (per-sample state: SogCLR, NUCLR).
+      meta:     dict name -> [N] or [N, p] tensor of per-sample meta-data (y-Aware).
+      in_modal: Logits-like pair with i2t = image-image [N, N], t2i = text-text [N, N].
+      features: (image PointSet, text PointSet) of the global batch (CyCLIP, CLOOB).
+      step:     int, optimiser step (schedules inside losses, e.g. NUCLR's ζ freeze).
+      epoch:    float, fractional epoch.
+
+    Reading a field the loss did not declare raises, so a missing ``requires`` entry is
+    caught the first time the loss runs instead of silently reading stale data.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        unknown = set(fields) - CONTEXT_FIELDS
+        if unknown:
+            raise TypeError(f"unknown LossContext fields {sorted(unknown)}; known: {sorted(CONTEXT_FIELDS)}")
+        self._fields = dict(fields)
+
+    def __getattr__(self, name: str) -> Any:
+        fields = self.__dict__.get("_fields", {})
+        if name in fields:
+            return fields[name]
+        if name in CONTEXT_FIELDS:
+            raise AttributeError(
+                f"LossContext.{name} was not supplied: add {name!r} to the loss's `requires`"
+            )
+        raise AttributeError(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fields
+
+    def __repr__(self) -> str:
+        return f"LossContext({', '.join(sorted(self._fields))})"
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """An ``nn.Module``: ``forward(inputs) -> PointSet``.
+
+    Image encoders take ``[B, 3, H, W]`` float images; text encoders take ``[B, L]`` token ids
+    (0 = padding) and build their mask from them.
+    """
+
+    def __call__(self, inputs: Tensor) -> PointSet: ...
+
+
+@runtime_checkable
+class Similarity(Protocol):
+    """An ``nn.Module`` owning its learnable parameters (temperature, bandwidth, ...)."""
+
+    def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
+
+    def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> Tensor | None:
+        """[B, D] vectors with ``embed(a) @ embed(b).T`` proportional to the logits, or None."""
+        ...
+
+    def ensemble(self, x: PointSet, groups: Tensor) -> PointSet:
+        """Zero-shot prompt ensembling: points of ``x`` grouped by ``groups`` [B] (ids 0..G-1) -> G sets."""
+        ...
+
+
+@runtime_checkable
+class Loss(Protocol):
+    """``requires`` is a subset of :data:`CONTEXT_FIELDS`; the loop supplies only these."""
+
+    requires: frozenset[str]
+
+    def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput: ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Texts -> ``[B, context_length]`` long token ids, 0 = padding."""
+
+    vocab_size: int
+    context_length: int
+
+    def __call__(self, texts: list[str]) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One record a data source yields for ``clipkit shard`` and for evaluation.
+
+    image:     encoded image bytes (PNG, JPEG, ...), stored as-is in shards.
+    image_ext: the extension naming the encoding ("png", "jpg").
+    captions:  one or more captions (retrieval counts a hit if any matches).
+    meta:      JSON-serialisable per-sample meta-data (labels, continuous proxies).
+    key:       a stable, unique key within the source.
+    """
+
+    key: str
+    image: bytes
+    image_ext: str
+    captions: tuple[str, ...]
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Source(Protocol):
+    """What an ``open_source`` hook returns."""
+
+    def __iter__(self): ...  # yields Sample
+
+    def info(self) -> dict[str, Any]:
+        """JSON-serialisable description saved in the manifest (labels, class names, templates)."""
+        ...

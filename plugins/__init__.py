@@ -1,0 +1,1 @@
+"""Built-in clipkit plugins (installed as ``clipkit.plugins``)."""

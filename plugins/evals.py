@@ -1,0 +1,13 @@
+"""Built-in eval tasks: `zero_shot` classification and image<->text `retrieval` (METHODS §8)."""
+
+from __future__ import annotations
+
+from clipkit.hookspecs import hookimpl
+
+
+@hookimpl
+def register_evals(register):
+    from clipkit.plugins import retrieval, zero_shot
+
+    register("zero_shot", zero_shot.ZeroShot)
+    register("retrieval", retrieval.Retrieval)

@@ -1,0 +1,42 @@
+"""`infonce`: CLIP's symmetric InfoNCE (METHODS.md §1).
+
+loss = ½ [ mean_a CE(L[a, :], t_a) + mean_b CE(L_t2i[b, :], t_b) ]
+
+Hand-derived case (tested): two pairs with i2t = [[2, 0], [0, 2]] (t2i its transpose):
+each row's CE is log(e² + 1) − 2 = log(1 + e⁻²) ≈ 0.126928, so the loss is 0.126928.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from clipkit.types import LossContext, LossOutput, Logits
+
+
+class InfoNCE:
+    """Symmetric InfoNCE over the logits' rows (i2t) and columns (t2i).
+
+    targets: [Na] index of each anchor's positive among the candidates (the diagonal for
+             a full batch; offset rows for a rank's local slice).
+    """
+
+    requires: frozenset[str] = frozenset()
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
+        image_to_text = nn.functional.cross_entropy(logits.i2t, targets, label_smoothing=self.label_smoothing)
+        text_to_image = nn.functional.cross_entropy(logits.t2i, targets, label_smoothing=self.label_smoothing)
+        loss = (image_to_text + text_to_image) / 2
+        accuracy = (logits.i2t.argmax(dim=1) == targets).float().mean()
+        return LossOutput(
+            loss,
+            {
+                "loss_i2t": image_to_text.detach(),
+                "loss_t2i": text_to_image.detach(),
+                "acc_i2t": accuracy,
+            },
+        )

@@ -1,0 +1,86 @@
+"""Built-in optimizers (`adamw`, `sgd`) and learning-rate schedules (`cosine`, `constant`).
+
+Optimizer factories take ``named_parameters`` (a list of ``(name, parameter)``) and build
+their own parameter groups: weight decay applies to matrices and convolution kernels
+only, never to gains, biases, embeddings' scalars or temperatures (CLIP, CLOOB, open_clip
+all exclude them; a decayed temperature drifts towards s = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from clipkit.hookspecs import hookimpl
+
+
+def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into a decayed group (ndim >= 2) and an undecayed one."""
+    decay, no_decay = [], []
+    for _, parameter in named_parameters:
+        if parameter.requires_grad:
+            (decay if parameter.ndim >= 2 else no_decay).append(parameter)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def adamw(
+    named_parameters,
+    lr: float = 5e-4,
+    weight_decay: float = 0.2,
+    betas: tuple[float, float] = (0.9, 0.98),
+    eps: float = 1e-6,
+):
+    """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only."""
+    import torch
+
+    return torch.optim.AdamW(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+
+
+def sgd(named_parameters, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, nesterov: bool = False):
+    """SGD with momentum (linear probes, seed 000's protocol)."""
+    import torch
+
+    return torch.optim.SGD(
+        decay_groups(named_parameters, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov
+    )
+
+
+def warmup_cosine_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Multiplier of the base lr: linear warm-up from ~0 to 1, then cosine down to ``min_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def cosine(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
+    """Cosine decay with linear warm-up (CLIP, WPSE, NUCLR)."""
+    import torch
+
+    if warmup_steps < 0 or total_steps <= 0:
+        raise ValueError(f"need total_steps > 0 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_factor(step, total_steps, warmup_steps, min_lr_ratio)
+    )
+
+
+def constant(optimizer, total_steps: int, warmup_steps: int = 0):
+    """Constant lr after an optional linear warm-up."""
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+    )
+
+
+@hookimpl
+def register_optimizers(register):
+    register("adamw", adamw)
+    register("sgd", sgd)
+
+
+@hookimpl
+def register_schedules(register):
+    register("cosine", cosine)
+    register("constant", constant)

@@ -1,0 +1,1 @@
+"""Built-in recipes (YAML), installed as package data of ``clipkit.recipes``."""
