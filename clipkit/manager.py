@@ -43,9 +43,16 @@ def make_plugin_manager(*, autoload: bool | None = None, extra_plugins=()) -> pl
     if autoload:
         pm.load_setuptools_entrypoints(hookspecs.PROJECT)
     for plugin in extra_plugins:
-        pm.register(plugin)
+        pm.register(plugin, name=plugin_label(plugin))
     pm.check_pending()
     return pm
+
+
+def plugin_label(plugin) -> str:
+    """A readable name for a plugin object: its module name, or its class's qualified name."""
+    if isinstance(plugin, type(os)):
+        return plugin.__name__
+    return f"{type(plugin).__module__}.{type(plugin).__qualname__}"
 
 
 def plugin_distribution(pm: pluggy.PluginManager, plugin) -> tuple[str, str]:

@@ -106,7 +106,7 @@ def zero_shot_labels(combos: tuple[tuple[str, str], ...]) -> dict[str, dict[str,
     """Zero-shot tasks: label -> classes and prompt templates (one ``{}`` each).
 
     Templates only use words and word orders of the training captions, because the text encoder
-    knows nothing else. Colour and position prompts are ensembled over shapes (and sizes), so the
+    knows nothing else. Colour and position prompts are ensembled over shapes (and sizes), shape prompts over colours, so the
     nuisance attributes average out instead of biasing a class embedding towards one shape. A
     size word always sits between the article and a colour, as in the captions, so "a" never
     needs to become "an" (orange) and every class gets the same template words.
@@ -118,7 +118,9 @@ def zero_shot_labels(combos: tuple[tuple[str, str], ...]) -> dict[str, dict[str,
         },
         "shape": {
             "classes": list(SHAPES),
-            "templates": ["a {}", "a small {}", "a large {}"],
+            # Captions always put a colour before the shape, so the prompts do too (ensembled
+            # over colours): "a circle" alone is a word order the text encoder never saw.
+            "templates": [f"a {size} {colour} {{}}" for size in SIZES for colour in COLOURS],
         },
         "position": {
             # The "<position>: a <shape>" phrasing names every position the same way, centre

@@ -1,0 +1,150 @@
+"""Contract checks for plugin authors: call them from your package's tests.
+
+    from clipkit.testing import check_loss, check_plugin
+
+    def test_my_plugin():
+        check_plugin(my_package.plugin)              # registers cleanly next to the built-ins
+
+    def test_my_loss():
+        check_loss(my_package.MyLoss())              # shapes, finiteness, gradients, requires
+
+Each check raises ``AssertionError`` with a message saying which contract was broken.
+They use small random inputs on CPU and take well under a second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from clipkit.registry import KINDS, Registry
+from clipkit.types import CONTEXT_FIELDS, Logits, LossContext, LossOutput, PointSet
+
+
+def random_points(batch: int = 6, points: int = 3, dim: int = 8, *, weighted: bool = False, seed: int = 0) -> PointSet:
+    """A PointSet [batch, points, dim] of unit vectors (and positive weights if ``weighted``)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.nn.functional.normalize(torch.randn(batch, points, dim, generator=generator), dim=-1)
+    weights = torch.rand(batch, points, generator=generator) + 0.1 if weighted else None
+    return PointSet(values.requires_grad_(), weights)
+
+
+def full_context(batch: int, requires: frozenset[str], a: PointSet, b: PointSet, similarity=None) -> LossContext:
+    """A LossContext holding every declared field with plausible values."""
+    fields: dict[str, Any] = {}
+    if "index" in requires:
+        fields["index"] = torch.arange(batch) * 3
+    if "meta" in requires:
+        fields["meta"] = {"label": [i % 2 for i in range(batch)], "age": [20.0 + i for i in range(batch)]}
+    if "in_modal" in requires:
+        aa = a.mean() @ a.mean().t() if similarity is None else similarity(a, a).i2t
+        bb = b.mean() @ b.mean().t() if similarity is None else similarity(b, b).i2t
+        fields["in_modal"] = Logits(i2t=aa, t2i=bb)
+    if "features" in requires:
+        fields["features"] = (a, b)
+    if "step" in requires:
+        fields["step"] = 0
+    if "epoch" in requires:
+        fields["epoch"] = 0.0
+    return LossContext(**fields)
+
+
+def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
+    """A loss returns a finite scalar with gradients to the logits and float-able metrics."""
+    requires = frozenset(getattr(loss, "requires", None) or frozenset())
+    assert isinstance(getattr(loss, "requires", None), (frozenset, set)), "a loss must define `requires` (a frozenset)"
+    assert requires <= CONTEXT_FIELDS, f"requires {sorted(requires - CONTEXT_FIELDS)} are not LossContext fields"
+    a, b = random_points(batch, 1, dim, seed=1), random_points(batch, 1, dim, seed=2)
+    i2t = (a.points[:, 0] @ b.points[:, 0].t()) * 10
+    logits = Logits.symmetric(i2t)
+    out = loss(logits, torch.arange(batch), full_context(batch, requires, a, b))
+    assert isinstance(out, LossOutput), f"a loss must return LossOutput, got {type(out).__name__}"
+    assert out.loss.dim() == 0, f"the loss must be a scalar, got shape {tuple(out.loss.shape)}"
+    assert torch.isfinite(out.loss), f"the loss is not finite: {out.loss}"
+    out.loss.backward()
+    assert a.points.grad is not None and torch.isfinite(a.points.grad).all(), "no finite gradient reaches the inputs"
+    for key, value in out.metrics.items():
+        float(value)  # every metric must convert to a float for loggers
+        assert isinstance(key, str), f"metric names must be strings, got {key!r}"
+    return out
+
+
+def check_similarity(similarity, dim: int = 8, points: int = 3, weighted: bool = False) -> Logits:
+    """A similarity maps point sets to Logits of the right shapes, differentiably, and its
+    ``embed`` (when not None) factorises it and ``ensemble`` returns one set per group."""
+    a = random_points(5, points, dim, weighted=weighted, seed=1)
+    b = random_points(4, points, dim, weighted=weighted, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    logits = similarity(a, b, generator=generator)
+    assert isinstance(logits, Logits), f"a similarity must return Logits, got {type(logits).__name__}"
+    assert tuple(logits.i2t.shape) == (5, 4), f"i2t must be [Na, Nb] = (5, 4), got {tuple(logits.i2t.shape)}"
+    assert tuple(logits.t2i.shape) == (4, 5), f"t2i must be [Nb, Na] = (4, 5), got {tuple(logits.t2i.shape)}"
+    assert torch.isfinite(logits.i2t).all() and torch.isfinite(logits.t2i).all(), "logits must be finite"
+    (logits.i2t.sum() + logits.t2i.sum()).backward()
+    assert a.points.grad is not None and b.points.grad is not None, "gradients must reach both point sets"
+    _check_embed(similarity, a, b)
+    groups = torch.tensor([0, 0, 1, 2, 2])
+    ensembled = similarity.ensemble(a, groups)
+    assert isinstance(ensembled, PointSet) and ensembled.batch_size == 3, "ensemble must return one set per group"
+    return logits
+
+
+def _check_embed(similarity, a: PointSet, b: PointSet) -> None:
+    with torch.no_grad():
+        ea = similarity.embed(a, generator=torch.Generator().manual_seed(0))
+        if ea is None:
+            return
+        eb = similarity.embed(b, generator=torch.Generator().manual_seed(0))
+        logits = similarity(a, b, generator=torch.Generator().manual_seed(0)).i2t
+    product = ea @ eb.t()
+    # embed() may drop a positive scale and a constant: compare after removing both.
+    centred = [(x - x.mean()) for x in (product, logits)]
+    ratio = (centred[1] * centred[0]).sum() / (centred[0] * centred[0]).sum().clamp_min(1e-12)
+    assert ratio > 0, "embed(a) @ embed(b).T must increase with the logits"
+    torch.testing.assert_close(centred[0] * ratio, centred[1], atol=1e-4, rtol=1e-4)
+
+
+def check_encoder(encoder, inputs: torch.Tensor, *, normalized: bool = True) -> PointSet:
+    """An encoder returns a PointSet [B, M, d] (unit points unless ``normalized=False``), differentiable."""
+    out = encoder(inputs)
+    assert isinstance(out, PointSet), f"an encoder must return PointSet, got {type(out).__name__}"
+    assert out.batch_size == inputs.shape[0], "one point set per input"
+    if normalized:
+        norms = out.points.norm(dim=-1)
+        torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-4, rtol=1e-4)
+    if out.weights is not None:
+        assert (out.weights > 0).all(), "point weights must be positive"
+    out.points.sum().backward()
+    assert any(p.grad is not None for p in encoder.parameters()), "no parameter received a gradient"
+    return out
+
+
+def check_plugin(plugin, *, with_builtins: bool = True) -> Registry:
+    """The plugin registers under the ``clipkit`` hooks, with no misspelled hooks and no
+    name clashing with the built-ins; returns the resulting registry."""
+    from clipkit.manager import make_plugin_manager
+
+    pm = make_plugin_manager(autoload=False, extra_plugins=[plugin]) if with_builtins else _bare_manager(plugin)
+    registry = Registry(pm)
+    name = pm.get_name(plugin)
+    registered = registry.by_plugin().get(name, {})
+    hooks = [caller.name for caller in pm.get_hookcallers(plugin) or []]
+    assert hooks, f"plugin {name!r} implements no clipkit hook"
+    assert registered or any(not h.startswith("register_") or h == "register_commands" for h in hooks), (
+        f"plugin {name!r} implements registration hooks but registered nothing"
+    )
+    assert set(registered) <= set(KINDS)
+    return registry
+
+
+def _bare_manager(plugin):
+    import pluggy
+
+    from clipkit import hookspecs
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin)
+    pm.check_pending()
+    return pm

@@ -1,0 +1,50 @@
+"""Shared fixtures: a fresh plugin manager per test, CPU only, no network, tmp working dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never load third-party plugins that happen to be installed unless they ask to.
+os.environ.setdefault("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture
+def registry():
+    """A registry built from a fresh manager holding only the built-in plugins."""
+    from clipkit.manager import make_plugin_manager
+    from clipkit.registry import Registry
+
+    return Registry(make_plugin_manager(autoload=False))
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run in an empty temporary directory (recipes write data/ and runs/ relative to it)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def shared_data():
+    """../shared/data when present (CI has it; a user's clone does not): skip otherwise."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not present")
+    return SHARED_DATA
+
+
+def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    has_gpu = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -1,0 +1,88 @@
+"""The CLI through Typer's CliRunner: help, plugins, recipes, validate, bad names."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from clipkit.cli import make_app
+from clipkit.manager import make_plugin_manager
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def app():
+    return make_app(make_plugin_manager(autoload=False))
+
+
+def test_help_lists_commands_without_importing_torch():
+    code = (
+        "import sys\n"
+        "from clipkit.cli import main\n"
+        "sys.argv = ['clipkit', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'clipkit --help imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for command in ("shard", "train", "export", "eval", "plugins", "recipes", "validate"):
+        assert command in result.stdout
+
+
+def test_plugins_lists_distribution_and_names(app):
+    result = runner.invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["plugin"]: row for row in json.loads(result.output)}
+    losses = rows["clipkit.plugins.losses"]
+    assert losses["distribution"] == "clipkit" and losses["registers"] == {"loss": ["infonce"]}
+    assert rows["clipkit.plugins.sources"]["hooks"] == ["open_source"]
+    table = runner.invoke(app, ["plugins"])
+    assert table.exit_code == 0 and "vit_tiny" in table.output
+
+
+def test_recipes_lists_recipes_and_variants(app):
+    result = runner.invoke(app, ["recipes"])
+    assert result.exit_code == 0, result.output
+    assert "quickstart" in result.output and "smoke" in result.output and "tiny" in result.output
+
+
+def test_validate_ok_and_show(app):
+    result = runner.invoke(app, ["validate", "clip@tiny", "train.steps=3", "--show"])
+    assert result.exit_code == 0, result.output
+    assert "clip@tiny: ok" in result.output and "steps: 3" in result.output
+
+
+def test_validate_reports_every_error_and_exits_nonzero(app):
+    result = runner.invoke(app, ["validate", "clip@tiny", "loss.name=infonse", "optimizer.lr=x"])
+    assert result.exit_code == 2
+    assert "2 error(s)" in result.output
+    assert "Did you mean: infonce?" in result.output and "optimizer.lr" in result.output
+
+
+def test_unknown_recipe_exits_nonzero_with_suggestion(app):
+    result = runner.invoke(app, ["train", "quikstart"])
+    assert result.exit_code == 2
+    assert "unknown recipe 'quikstart'" in result.output and "quickstart" in result.output
+
+
+def test_eval_of_a_missing_export_is_a_clear_error(app, tmp_path):
+    result = runner.invoke(app, ["eval", str(tmp_path)])
+    assert result.exit_code == 2 and "clipkit.json is missing" in result.output
+
+
+def test_shard_command_writes_a_manifest(app, tmp_path):
+    out = tmp_path / "shards"
+    result = runner.invoke(app, ["shard", "synthetic://shapes?n=10", str(out), "--samples-per-shard", "4"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["n"] == 10 and [s["count"] for s in manifest["shards"]] == [4, 4, 2]
+    bad = runner.invoke(app, ["shard", "nowhere://x", str(tmp_path / "other")])
+    assert bad.exit_code == 2 and "no data source accepts" in bad.output
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "clipkit", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "quickstart" in result.stdout

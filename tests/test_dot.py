@@ -1,0 +1,74 @@
+"""`dot` similarity: hand case, clamp, learnability, embed identity, CLIP prompt ensembling."""
+
+import math
+
+import pytest
+import torch
+
+from clipkit.plugins.dot import DotSimilarity
+from clipkit.testing import check_similarity, random_points
+from clipkit.types import PointSet
+
+
+def unit(*rows):
+    return PointSet(torch.tensor(rows, dtype=torch.float32).unsqueeze(1))
+
+
+def test_hand_derived_logit():
+    similarity = DotSimilarity(init_scale=10.0)
+    logits = similarity(unit([1.0, 0.0]), unit([0.6, 0.8], [0.0, 1.0]))
+    torch.testing.assert_close(logits.i2t, torch.tensor([[6.0, 0.0]]))
+    torch.testing.assert_close(logits.t2i, logits.i2t.t())
+
+
+def test_clip_init_and_clamp():
+    assert DotSimilarity().scale().item() == pytest.approx(1 / 0.07, rel=1e-6)
+    similarity = DotSimilarity(init_scale=500.0, max_scale=100.0)
+    assert similarity.scale().item() == pytest.approx(100.0)
+    similarity(unit([1.0, 0.0]), unit([1.0, 0.0])).i2t.sum().backward()
+    # Above the clamp the temperature receives no gradient (as CLIP's clamp).
+    assert similarity.log_scale.grad.item() == 0.0
+
+
+def test_scale_is_learnable_or_fixed():
+    learnable = DotSimilarity(init_scale=2.0)
+    learnable(unit([1.0, 0.0]), unit([0.6, 0.8])).i2t.sum().backward()
+    # d(s·0.6)/dt = s·0.6 with s = exp(t) = 2
+    assert learnable.log_scale.grad.item() == pytest.approx(1.2, rel=1e-5)
+    fixed = DotSimilarity(init_scale=2.0, learn_scale=False)
+    assert not any(p.requires_grad for p in fixed.parameters())
+
+
+def test_bias_is_added():
+    similarity = DotSimilarity(init_scale=10.0, bias=-10.0)
+    logits = similarity(unit([1.0, 0.0]), unit([1.0, 0.0]))
+    assert logits.i2t.item() == pytest.approx(0.0)
+    assert "logit_bias" in similarity.metrics()
+
+
+def test_point_sets_pool_by_weighted_mean():
+    a = PointSet(torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]), weights=torch.tensor([[3.0, 1.0]]))
+    b = unit([1.0, 0.0])
+    # ū = (0.75, 0.25); logit = 1 · 0.75
+    assert DotSimilarity(init_scale=1.0)(a, b).i2t.item() == pytest.approx(0.75)
+
+
+def test_embed_factorises_the_similarity():
+    similarity = DotSimilarity(init_scale=3.0)
+    a, b = random_points(5, 4, 8, weighted=True, seed=1), random_points(3, 4, 8, seed=2)
+    with torch.no_grad():
+        product = similarity.scale() * similarity.embed(a) @ similarity.embed(b).t()
+        torch.testing.assert_close(product, similarity(a, b).i2t)
+
+
+def test_ensemble_is_mean_of_unit_vectors_renormalised():
+    prompts = unit([1.0, 0.0], [0.0, 1.0], [0.6, 0.8])
+    ensembled = DotSimilarity().ensemble(prompts, torch.tensor([0, 0, 1]))
+    expected = torch.tensor([[1 / math.sqrt(2), 1 / math.sqrt(2)], [0.6, 0.8]])
+    torch.testing.assert_close(ensembled.points[:, 0], expected)
+
+
+def test_contract():
+    check_similarity(DotSimilarity())
+    with pytest.raises(ValueError, match="init_scale"):
+        DotSimilarity(init_scale=0)

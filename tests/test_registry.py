@@ -1,0 +1,73 @@
+import pytest
+
+from clipkit.errors import PluginError, UnknownNameError
+from clipkit.hookspecs import hookimpl
+from clipkit.manager import BUILTIN_PLUGINS, make_plugin_manager, plugin_distribution
+from clipkit.registry import Registry
+
+
+class DuplicateLoss:
+    @hookimpl
+    def register_losses(self, register):
+        register("infonce", lambda: None)
+
+
+class Misspelled:
+    @hookimpl
+    def register_loss(self, register):  # typo: the hook is register_losses
+        pass
+
+
+def test_builtins_register_through_the_same_hooks(registry):
+    owned = registry.by_plugin()
+    assert set(owned) <= set(BUILTIN_PLUGINS)
+    assert owned["clipkit.plugins.losses"]["loss"] == ["infonce"]
+    assert "quickstart" in registry.names("recipe")
+
+
+def test_duplicate_name_names_both_plugins():
+    pm = make_plugin_manager(autoload=False, extra_plugins=[DuplicateLoss()])
+    with pytest.raises(PluginError) as error:
+        Registry(pm)
+    message = str(error.value)
+    assert "clipkit.plugins.losses" in message and "DuplicateLoss" in message
+    assert "'infonce' is registered twice" in message
+
+
+def test_unknown_name_suggests_close_matches(registry):
+    with pytest.raises(UnknownNameError) as error:
+        registry.get("loss", "infonse")
+    assert error.value.suggestions == ["infonce"]
+    assert "Did you mean: infonce?" in str(error.value)
+
+
+def test_misspelled_hook_is_an_error():
+    from pluggy import PluginValidationError
+
+    with pytest.raises(PluginValidationError, match="register_loss"):
+        make_plugin_manager(autoload=False, extra_plugins=[Misspelled()])
+
+
+def test_autoload_can_be_disabled(monkeypatch):
+    calls = []
+    import pluggy
+
+    monkeypatch.setattr(pluggy.PluginManager, "load_setuptools_entrypoints", lambda self, group: calls.append(group))
+    monkeypatch.setenv("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    make_plugin_manager()
+    assert calls == []
+    monkeypatch.setenv("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "0")
+    make_plugin_manager()
+    assert calls == ["clipkit"]
+
+
+def test_builtin_distribution_is_clipkit(registry):
+    from clipkit import __version__
+
+    plugin = registry.pm.get_plugin("clipkit.plugins.losses")
+    assert plugin_distribution(registry.pm, plugin) == ("clipkit", __version__)
+
+
+def test_registry_is_read_only(registry):
+    with pytest.raises(TypeError):
+        registry._table("loss")["x"] = None
