@@ -1,0 +1,133 @@
+"""shard -> train a few steps -> export -> eval, with golden numbers; exact resume; export round trip.
+
+Regenerate the golden numbers (after an intended change of the numerics) with:
+
+    CLIPKIT_REGENERATE_GOLDEN=1 python -m pytest tests/test_end_to_end.py -k golden
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipkit import api
+from clipkit.checkpoint import list_checkpoints, load_checkpoint
+
+GOLDEN = Path(__file__).parent / "golden" / "smoke.json"
+SMOKE = ["train.steps=8", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One tiny CLIP run on the embedded synthetic data, shared by the tests below."""
+    root = tmp_path_factory.mktemp("smoke")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        result = api.train("quickstart@smoke", SMOKE, run_dir=root / "run", registry=fresh_registry())
+    finally:
+        os.chdir(cwd)
+    return root, result
+
+
+def fresh_registry():
+    from clipkit.manager import make_plugin_manager
+    from clipkit.registry import Registry
+
+    return Registry(make_plugin_manager(autoload=False))
+
+
+def test_golden_losses_and_eval(smoke_run):
+    root, result = smoke_run
+    observed = {
+        "losses": {str(m["step"]): m["loss"] for m in read_metrics(result.run_dir)},
+        "eval": {f"{r['name']}:{r.get('label', '')}": {k: v for k, v in r.items() if isinstance(v, float)}
+                 for r in result.evals},
+    }
+    if os.environ.get("CLIPKIT_REGENERATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"command": "clipkit train quickstart@smoke " + " ".join(SMOKE), **observed},
+                                     indent=2, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert set(observed["losses"]) == {"2", "4", "6", "8"}
+    for step, loss in golden["losses"].items():
+        assert observed["losses"][step] == pytest.approx(loss, rel=1e-3, abs=1e-4), f"step {step}"
+    for task, metrics in golden["eval"].items():
+        for name, value in metrics.items():
+            assert observed["eval"][task][name] == pytest.approx(value, abs=0.02), f"{task} {name}"
+
+
+def test_run_directory_layout(smoke_run):
+    root, result = smoke_run
+    run = result.run_dir
+    assert (run / "recipe.yaml").is_file() and (run / "eval.json").is_file()
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004.pt", "step-00000008.pt"]
+    assert (root / "data" / "smoke-shapes" / "manifest.json").is_file()  # sharded on first use
+    report = json.loads((run / "eval.json").read_text())
+    assert [r["name"] for r in report["results"]] == ["zero_shot", "retrieval"]
+    assert {"i2t_R@1", "t2i_R@10", "mean_recall"} <= set(report["results"][1])
+
+
+def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
+    root, result = smoke_run
+    metadata = json.loads((result.export_dir / "clipkit.json").read_text())
+    assert metadata["plugins"]["model.image_encoder"]["name"] == "vit_tiny"
+    assert metadata["plugins"]["similarity"]["distribution"] == "clipkit"
+    assert metadata["tokenizer"]["name"] == "hashed_words"
+    assert metadata["preprocessing"]["image_size"] == 32
+    assert metadata["recipe"]["name"] == "quickstart@smoke"
+
+    from clipkit.export import load_export
+
+    model, _ = load_export(result.export_dir, fresh_registry())
+    saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]
+    loaded = model.state_dict()
+    assert saved.keys() == loaded.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, loaded[key]), key
+
+
+def test_eval_reads_the_export_alone(smoke_run, tmp_path):
+    root, result = smoke_run
+    moved = tmp_path / "moved-export"
+    result.export_dir.rename(moved)  # no run directory, no shards needed
+    try:
+        report = api.evaluate(moved, None, registry=fresh_registry(), output=tmp_path / "r.json")
+    finally:
+        moved.rename(result.export_dir)
+    assert report["results"][0]["n"] == 64
+    assert json.loads((tmp_path / "r.json").read_text())["results"] == report["results"]
+
+
+def test_resume_continues_exactly(smoke_run, tmp_path, monkeypatch):
+    """Drop the last checkpoint, resume from step 4: the final weights equal the uninterrupted run's."""
+    root, result = smoke_run
+    monkeypatch.chdir(root)
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "checkpoints").mkdir(parents=True)
+    first = list_checkpoints(result.run_dir)[0]
+    (interrupted / "checkpoints" / first.name).write_bytes(first.read_bytes())
+    (interrupted / "recipe.yaml").write_text((result.run_dir / "recipe.yaml").read_text())
+
+    resumed = api.train("ignored", run_dir=interrupted, resume=True, registry=fresh_registry())
+    expected = load_checkpoint(list_checkpoints(result.run_dir)[-1])
+    got = load_checkpoint(list_checkpoints(interrupted)[-1])
+    assert got["step"] == 8 and got["data"] == expected["data"]
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, got["model"][key]), key
+    assert resumed.metrics["loss"] == read_metrics(result.run_dir)[-1]["loss"]
+
+
+def test_refuses_to_overwrite_a_run(smoke_run):
+    from clipkit.errors import ClipkitError
+
+    root, result = smoke_run
+    with pytest.raises(ClipkitError, match="already holds a run"):
+        api.train("quickstart@smoke", SMOKE, run_dir=result.run_dir, registry=fresh_registry())
