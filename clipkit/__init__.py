@@ -1,2 +1,3 @@
 """clipkit: contrastive multimodal pretraining research toolkit."""
+
 __version__ = "0.1.0"

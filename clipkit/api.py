@@ -114,7 +114,9 @@ def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> di
     return recipe
 
 
-def export(run_dir: Path, out: Path, *, checkpoint: Path | None = None, registry: Registry | None = None) -> Path:
+def export(
+    run_dir: Path, out: Path, *, checkpoint: Path | None = None, registry: Registry | None = None
+) -> Path:
     from clipkit.export import export_run
 
     return export_run(Path(run_dir), Path(out), registry or default_registry(), checkpoint)

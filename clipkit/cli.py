@@ -60,7 +60,12 @@ def shard_command(
     options = dict(parse_pairs(option or []))
     with step_progress("sharding", total=None) as advance:
         manifest = api.shard(
-            source, out, samples_per_shard=samples_per_shard, options=options, registry=registry(), progress=advance
+            source,
+            out,
+            samples_per_shard=samples_per_shard,
+            options=options,
+            registry=registry(),
+            progress=advance,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
 
@@ -70,7 +75,9 @@ def train_command(
     recipe: Annotated[str, typer.Argument(help="Recipe NAME[@VARIANT] or a YAML file")],
     overrides: Annotated[list[str], typer.Argument(help="key=value recipe overrides")] = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory (default runs/<recipe>-<time>)")] = None,
-    resume: Annotated[bool, typer.Option(help="Continue the run in --run-dir from its newest checkpoint")] = False,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run in --run-dir from its newest checkpoint")
+    ] = False,
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
@@ -105,8 +112,12 @@ def export_command(
 
 @fails_cleanly
 def eval_command(
-    export_dir: Annotated[Path, typer.Argument(help="An export directory (clipkit.json + model.safetensors)")],
-    task: Annotated[str, typer.Option(help="Eval task name (default: the export's recipe's eval list)")] = None,
+    export_dir: Annotated[
+        Path, typer.Argument(help="An export directory (clipkit.json + model.safetensors)")
+    ],
+    task: Annotated[
+        str, typer.Option(help="Eval task name (default: the export's recipe's eval list)")
+    ] = None,
     data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
@@ -137,8 +148,15 @@ def plugins_command(as_json: Annotated[bool, typer.Option("--json", help="Machin
     for name, plugin in sorted(reg.pm.list_name_plugin(), key=lambda item: item[0]):
         distribution, version = plugin_distribution(reg.pm, plugin)
         hooks = sorted(h.name for h in reg.pm.get_hookcallers(plugin) or [])
-        rows.append({"plugin": name, "distribution": distribution, "version": version,
-                     "registers": owned.get(name, {}), "hooks": hooks})
+        rows.append(
+            {
+                "plugin": name,
+                "distribution": distribution,
+                "version": version,
+                "registers": owned.get(name, {}),
+                "hooks": hooks,
+            }
+        )
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -207,8 +225,13 @@ class step_progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"), console=Console(stderr=True), transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=Console(stderr=True),
+            transient=False,
             disable=not sys.stderr.isatty(),
         )
         self.task = self.progress.add_task(description, total=total, status="")
@@ -217,7 +240,9 @@ class step_progress:
         self.progress.__enter__()
 
         def advance(n: int = 1, metrics: dict | None = None) -> None:
-            status = f"loss {metrics['loss']:.4f}" if metrics and isinstance(metrics.get("loss"), float) else ""
+            status = (
+                f"loss {metrics['loss']:.4f}" if metrics and isinstance(metrics.get("loss"), float) else ""
+            )
             self.progress.update(self.task, advance=n, status=status)
 
         return advance
@@ -228,8 +253,13 @@ class step_progress:
 
 def print_summary(result) -> None:
     typer.echo(f"run: {result.run_dir}  ({result.seconds:.0f} s)")
-    shown = {k: v for k, v in result.metrics.items() if k in ("loss", "acc_i2t", "logit_scale", "lr", "epoch")}
-    typer.echo("final: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
+    shown = {
+        k: v for k, v in result.metrics.items() if k in ("loss", "acc_i2t", "logit_scale", "lr", "epoch")
+    }
+    typer.echo(
+        "final: "
+        + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
+    )
     if result.export_dir:
         typer.echo(f"export: {result.export_dir}")
     if result.evals:
@@ -245,7 +275,11 @@ def print_evals(results: list[dict]) -> None:
         where = f"{result.get('data', '')}" + (f" [{result['label']}]" if "label" in result else "")
         for key, value in result.items():
             if isinstance(value, float) and key not in ("chance",):
-                note = f"  ({value / result['chance']:.1f}x chance)" if key == "top1" and "chance" in result else ""
+                note = (
+                    f"  ({value / result['chance']:.1f}x chance)"
+                    if key == "top1" and "chance" in result
+                    else ""
+                )
                 table.add_row(result["name"], where, key, f"{value:.4f}{note}")
     console().print(table)
 

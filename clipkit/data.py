@@ -78,7 +78,9 @@ def decode_image(data: bytes, where: str):
 class EpochDataset(torch.utils.data.IterableDataset):
     """One epoch of one rank's batches: an iterable WebDataset pipeline (a torch IterableDataset)."""
 
-    def __init__(self, urls, *, batch_size, transform, tokenizer, seed, epoch, skip_batches, shuffle_buffer, views):
+    def __init__(
+        self, urls, *, batch_size, transform, tokenizer, seed, epoch, skip_batches, shuffle_buffer, views
+    ):
         self.urls, self.batch_size, self.transform, self.tokenizer = urls, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches = seed, epoch, skip_batches
         self.shuffle_buffer, self.views = shuffle_buffer, views
@@ -120,10 +122,14 @@ class EpochDataset(torch.utils.data.IterableDataset):
             "meta": {k: [s.meta.get(k) for s in samples] for k in samples[0].meta if k != "index"},
         }
         if self.views == 2:
-            batch["image2"] = torch.stack([self.transform(im, rng) for im, rng in zip(images, rngs, strict=True)])
+            batch["image2"] = torch.stack(
+                [self.transform(im, rng) for im, rng in zip(images, rngs, strict=True)]
+            )
         if self.tokenizer is not None:
             # One caption per sample per epoch, chosen reproducibly among the sample's captions.
-            batch["text"] = self.tokenizer([rng.choice(s.captions) for s, rng in zip(samples, rngs, strict=True)])
+            batch["text"] = self.tokenizer(
+                [rng.choice(s.captions) for s, rng in zip(samples, rngs, strict=True)]
+            )
         return batch
 
 
@@ -147,11 +153,18 @@ def rank() -> int:
 class BatchStream:
     """Endless batches over epochs; ``position`` is saved in checkpoints for exact resume."""
 
-    def __init__(self, shards, *, batch_size, transform, tokenizer, seed, num_workers=0, shuffle_buffer=1000, views=1):
+    def __init__(
+        self, shards, *, batch_size, transform, tokenizer, seed, num_workers=0, shuffle_buffer=1000, views=1
+    ):
         self.urls = shard_urls(shards)
         self.num_samples = int(read_manifest(shards)["n"])
         self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
-        self.seed, self.num_workers, self.shuffle_buffer, self.views = seed, num_workers, shuffle_buffer, views
+        self.seed, self.num_workers, self.shuffle_buffer, self.views = (
+            seed,
+            num_workers,
+            shuffle_buffer,
+            views,
+        )
         self.epoch, self.batch_in_epoch = 0, 0
         if self.num_samples < batch_size:
             raise DataError(f"{shards}: {self.num_samples} samples are fewer than one batch of {batch_size}")

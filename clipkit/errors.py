@@ -22,7 +22,8 @@ class UnknownNameError(ClipkitError, KeyError):
         self.kind, self.name, self.suggestions = kind, name, close_matches(name, known)
         hint = f" Did you mean: {', '.join(self.suggestions)}?" if self.suggestions else ""
         location = f"{where}: " if where else ""
-        message = f"{location}unknown {kind} {name!r}.{hint} Known {kind}s: {', '.join(known) or '(none)'}."
+        listing = ", ".join(known) or "(none)"
+        message = f"{location}unknown {kind} {name!r}.{hint} Known {plural(kind)}: {listing}."
         super().__init__(message)
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -40,6 +41,10 @@ class RecipeError(ClipkitError):
 
 class DataError(ClipkitError):
     """Bad input data; the message names the file, key or sample."""
+
+
+def plural(kind: str) -> str:
+    return {"loss": "losses", "similarity": "similarities"}.get(kind, f"{kind}s")
 
 
 def close_matches(name: str, known: Iterable[str], n: int = 3) -> list[str]:

@@ -67,7 +67,9 @@ def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int 
 
 
 @torch.no_grad()
-def image_text_logits(model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256) -> torch.Tensor:
+def image_text_logits(
+    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256
+) -> torch.Tensor:
     """[N_images, N_texts] similarity logits, computed in image chunks."""
     rows = []
     for start in range(0, images.batch_size, chunk):

@@ -105,7 +105,9 @@ def read_metadata(export_dir: Path) -> dict[str, Any]:
         raise ClipkitError(f"{export_dir} is not a clipkit export: {METADATA} is missing")
     metadata = json.loads(path.read_text(encoding="utf-8"))
     if metadata.get("format") != FORMAT:
-        raise ClipkitError(f"{path}: unsupported export format {metadata.get('format')!r} (expected {FORMAT})")
+        raise ClipkitError(
+            f"{path}: unsupported export format {metadata.get('format')!r} (expected {FORMAT})"
+        )
     return metadata
 
 

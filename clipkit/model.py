@@ -43,7 +43,14 @@ class ContrastiveModel(nn.Module):
     """
 
     def __init__(
-        self, image_encoder, text_encoder, similarity, tokenizer, transform: ImageTransform, pair: str, eval_seed: int = 0
+        self,
+        image_encoder,
+        text_encoder,
+        similarity,
+        tokenizer,
+        transform: ImageTransform,
+        pair: str,
+        eval_seed: int = 0,
     ):
         super().__init__()
         self.image_encoder = image_encoder
@@ -106,7 +113,11 @@ def build_model(recipe: dict, registry: Registry) -> ContrastiveModel:
         embed_dim=model.embed_dim,
         image_size=model.image_size,
     )
-    similarity = build_slot(registry, "similarity", recipe["similarity"], "similarity", embed_dim=model.embed_dim)
+    similarity = build_slot(
+        registry, "similarity", recipe["similarity"], "similarity", embed_dim=model.embed_dim
+    )
     transform = build_transform(recipe, train=False)
     eval_seed = int(recipe.get("eval_seed", 0))
-    return ContrastiveModel(image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed)
+    return ContrastiveModel(
+        image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed
+    )

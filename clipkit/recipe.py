@@ -86,7 +86,18 @@ class TrainConfig:
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
-TOP_LEVEL = {"name", "description", "seed", "eval_seed", "paper", "notes", "eval", "variants", "similarity", "loss"}
+TOP_LEVEL = {
+    "name",
+    "description",
+    "seed",
+    "eval_seed",
+    "paper",
+    "notes",
+    "eval",
+    "variants",
+    "similarity",
+    "loss",
+}
 TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
 PRECISIONS = ("no", "bf16", "fp16")
 PAIRS = ("image_text", "two_view")
@@ -271,7 +282,9 @@ def _simple_types(hint: Any) -> tuple[type, ...] | None:
     if origin is dict or hint is dict:
         return (dict,)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        parts = [_simple_types(arg) if arg is not type(None) else (type(None),) for arg in typing.get_args(hint)]
+        parts = [
+            _simple_types(arg) if arg is not type(None) else (type(None),) for arg in typing.get_args(hint)
+        ]
         return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
     return None
 

@@ -85,7 +85,9 @@ def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, E
             if not isinstance(name, str) or not name:
                 raise PluginError(f"plugin {_plugin!r} registered a {kind} with an invalid name {name!r}")
             if not callable(factory):
-                raise PluginError(f"plugin {_plugin!r} registered {kind} {name!r} with a non-callable factory")
+                raise PluginError(
+                    f"plugin {_plugin!r} registered {kind} {name!r} with a non-callable factory"
+                )
             if name in table:
                 raise PluginError(
                     f"{kind} {name!r} is registered twice: by plugin {table[name].plugin!r} "

@@ -80,7 +80,12 @@ def encode_sample(sample: Sample, index: int) -> dict[str, Any]:
         "__key__": f"{index:09d}",
         sample.image_ext: sample.image,
         "txt": sample.captions[0],
-        "json": {"index": index, "key": sample.key, "captions": list(sample.captions), "meta": dict(sample.meta)},
+        "json": {
+            "index": index,
+            "key": sample.key,
+            "captions": list(sample.captions),
+            "meta": dict(sample.meta),
+        },
     }
 
 

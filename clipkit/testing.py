@@ -22,7 +22,9 @@ from clipkit.registry import KINDS, Registry
 from clipkit.types import CONTEXT_FIELDS, Logits, LossContext, LossOutput, PointSet
 
 
-def random_points(batch: int = 6, points: int = 3, dim: int = 8, *, weighted: bool = False, seed: int = 0) -> PointSet:
+def random_points(
+    batch: int = 6, points: int = 3, dim: int = 8, *, weighted: bool = False, seed: int = 0
+) -> PointSet:
     """A PointSet [batch, points, dim] of unit vectors (and positive weights if ``weighted``)."""
     generator = torch.Generator().manual_seed(seed)
     values = torch.nn.functional.normalize(torch.randn(batch, points, dim, generator=generator), dim=-1)
@@ -30,7 +32,9 @@ def random_points(batch: int = 6, points: int = 3, dim: int = 8, *, weighted: bo
     return PointSet(values.requires_grad_(), weights)
 
 
-def full_context(batch: int, requires: frozenset[str], a: PointSet, b: PointSet, similarity=None) -> LossContext:
+def full_context(
+    batch: int, requires: frozenset[str], a: PointSet, b: PointSet, similarity=None
+) -> LossContext:
     """A LossContext holding every declared field with plausible values."""
     fields: dict[str, Any] = {}
     if "index" in requires:
@@ -53,8 +57,12 @@ def full_context(batch: int, requires: frozenset[str], a: PointSet, b: PointSet,
 def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     """A loss returns a finite scalar with gradients to the logits and float-able metrics."""
     requires = frozenset(getattr(loss, "requires", None) or frozenset())
-    assert isinstance(getattr(loss, "requires", None), (frozenset, set)), "a loss must define `requires` (a frozenset)"
-    assert requires <= CONTEXT_FIELDS, f"requires {sorted(requires - CONTEXT_FIELDS)} are not LossContext fields"
+    assert isinstance(getattr(loss, "requires", None), (frozenset, set)), (
+        "a loss must define `requires` (a frozenset)"
+    )
+    assert requires <= CONTEXT_FIELDS, (
+        f"requires {sorted(requires - CONTEXT_FIELDS)} are not LossContext fields"
+    )
     a, b = random_points(batch, 1, dim, seed=1), random_points(batch, 1, dim, seed=2)
     i2t = (a.points[:, 0] @ b.points[:, 0].t()) * 10
     logits = Logits.symmetric(i2t)
@@ -63,7 +71,9 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     assert out.loss.dim() == 0, f"the loss must be a scalar, got shape {tuple(out.loss.shape)}"
     assert torch.isfinite(out.loss), f"the loss is not finite: {out.loss}"
     out.loss.backward()
-    assert a.points.grad is not None and torch.isfinite(a.points.grad).all(), "no finite gradient reaches the inputs"
+    assert a.points.grad is not None and torch.isfinite(a.points.grad).all(), (
+        "no finite gradient reaches the inputs"
+    )
     for key, value in out.metrics.items():
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
@@ -86,7 +96,9 @@ def check_similarity(similarity, dim: int = 8, points: int = 3, weighted: bool =
     _check_embed(similarity, a, b)
     groups = torch.tensor([0, 0, 1, 2, 2])
     ensembled = similarity.ensemble(a, groups)
-    assert isinstance(ensembled, PointSet) and ensembled.batch_size == 3, "ensemble must return one set per group"
+    assert isinstance(ensembled, PointSet) and ensembled.batch_size == 3, (
+        "ensemble must return one set per group"
+    )
     return logits
 
 
@@ -125,7 +137,11 @@ def check_plugin(plugin, *, with_builtins: bool = True) -> Registry:
     name clashing with the built-ins; returns the resulting registry."""
     from clipkit.manager import make_plugin_manager
 
-    pm = make_plugin_manager(autoload=False, extra_plugins=[plugin]) if with_builtins else _bare_manager(plugin)
+    pm = (
+        make_plugin_manager(autoload=False, extra_plugins=[plugin])
+        if with_builtins
+        else _bare_manager(plugin)
+    )
     registry = Registry(pm)
     name = pm.get_name(plugin)
     registered = registry.by_plugin().get(name, {})

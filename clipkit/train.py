@@ -127,7 +127,9 @@ def checkpoint(trainer: Trainer, step: int) -> Path | None:
     return save_checkpoint(trainer.run.directory, step, state, keep=train.keep_checkpoints)
 
 
-def loss_context(requires: frozenset[str], batch: dict, a, b, similarity, step: int, epoch: float) -> LossContext:
+def loss_context(
+    requires: frozenset[str], batch: dict, a, b, similarity, step: int, epoch: float
+) -> LossContext:
     """Build only the fields the loss declared (in-modal similarities cost two more N×N products)."""
     fields: dict[str, Any] = {}
     if "index" in requires:
@@ -161,11 +163,15 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
             local_a, local_b = model(batch)
         a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
         logits = similarity(a, b, generator=rt.generator(step))
-        epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
+        epoch = (
+            trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
+        )
         ctx = loss_context(requires, batch, a, b, similarity, step, epoch)
         out = loss_fn(logits, rt.targets(a), ctx)
         if not torch.isfinite(out.loss):
-            raise ClipkitError(f"step {step + 1}: the loss is {float(out.loss)}; stopping (last good: {last})")
+            raise ClipkitError(
+                f"step {step + 1}: the loss is {float(out.loss)}; stopping (last good: {last})"
+            )
 
         optimizer.zero_grad(set_to_none=True)
         rt.backward(out.loss)
@@ -187,7 +193,9 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     return last
 
 
-def step_metrics(out, optimizer, similarity, grad_norm, epoch: float, samples_per_s: float) -> dict[str, float]:
+def step_metrics(
+    out, optimizer, similarity, grad_norm, epoch: float, samples_per_s: float
+) -> dict[str, float]:
     metrics = {"loss": float(out.loss.detach()), "lr": optimizer.param_groups[0]["lr"], "epoch": epoch}
     metrics.update({k: float(v) for k, v in out.metrics.items()})
     if hasattr(similarity, "metrics"):
@@ -202,6 +210,8 @@ def prepare_run_dir(recipe: dict, run_dir: Path, *, resume: bool) -> None:
     """Create the run directory and save the resolved recipe (refuses to overwrite a run)."""
     run_dir = Path(run_dir)
     if not resume and latest_checkpoint(run_dir) is not None:
-        raise ClipkitError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
+        raise ClipkitError(
+            f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, run_dir / "recipe.yaml")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from clipkit.types import LossContext, LossOutput, Logits
+from clipkit.types import Logits, LossContext, LossOutput
 
 
 class InfoNCE:

@@ -36,7 +36,13 @@ def adamw(
     return torch.optim.AdamW(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
 
 
-def sgd(named_parameters, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0, nesterov: bool = False):
+def sgd(
+    named_parameters,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+):
     """SGD with momentum (linear probes, seed 000's protocol)."""
     import torch
 

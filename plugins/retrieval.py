@@ -14,7 +14,9 @@ from clipkit.evaluate import encode_images, encode_texts, image_text_logits, loa
 class Retrieval:
     """data: a source URI or shard directory whose samples carry one or more captions."""
 
-    def __init__(self, data: str, ks: list | None = None, limit: int | None = None, batch_size: int = 256) -> None:
+    def __init__(
+        self, data: str, ks: list | None = None, limit: int | None = None, batch_size: int = 256
+    ) -> None:
         self.data, self.limit, self.batch_size = data, limit, batch_size
         self.ks = [int(k) for k in (ks or [1, 5, 10])]
 
@@ -25,7 +27,12 @@ class Retrieval:
         logits = image_text_logits(
             model, encode_images(model, samples, self.batch_size), encode_texts(model, texts, self.batch_size)
         )
-        return {"data": self.data, "n_images": len(samples), "n_texts": len(texts), **recalls(logits, owner, self.ks)}
+        return {
+            "data": self.data,
+            "n_images": len(samples),
+            "n_texts": len(texts),
+            **recalls(logits, owner, self.ks),
+        }
 
 
 def recalls(logits: torch.Tensor, owner: torch.Tensor, ks: list[int]) -> dict[str, float]:

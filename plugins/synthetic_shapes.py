@@ -106,10 +106,10 @@ def zero_shot_labels(combos: tuple[tuple[str, str], ...]) -> dict[str, dict[str,
     """Zero-shot tasks: label -> classes and prompt templates (one ``{}`` each).
 
     Templates only use words and word orders of the training captions, because the text encoder
-    knows nothing else. Colour and position prompts are ensembled over shapes (and sizes), shape prompts over colours, so the
-    nuisance attributes average out instead of biasing a class embedding towards one shape. A
-    size word always sits between the article and a colour, as in the captions, so "a" never
-    needs to become "an" (orange) and every class gets the same template words.
+    knows nothing else. Colour and position prompts are ensembled over shapes (and sizes), shape
+    prompts over colours and sizes, so the nuisance attributes average out instead of biasing a
+    class embedding. A size word always sits between the article and a colour, as in the
+    captions, so "a" never needs to become "an" (orange) and every class gets the same words.
     """
     return {
         "colour": {

@@ -68,5 +68,7 @@ class ZeroShot:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(classnames):
             return value
         if value not in classnames:
-            raise DataError(f"{self.data}: sample {sample.key!r} has {self.label}={value!r}, not a known class")
+            raise DataError(
+                f"{self.data}: sample {sample.key!r} has {self.label}={value!r}, not a known class"
+            )
         return classnames.index(value)

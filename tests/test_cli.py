@@ -84,5 +84,7 @@ def test_shard_command_writes_a_manifest(app, tmp_path):
 
 
 def test_python_dash_m_entry_point():
-    result = subprocess.run([sys.executable, "-m", "clipkit", "--help"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "clipkit", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "quickstart" in result.stdout

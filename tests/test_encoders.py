@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 import torch
+
 from clipkit.plugins import encoders, text_transformer, tokenizers, vit
 from clipkit.plugins.text_transformer import text_transformer_tiny
 from clipkit.plugins.tokenizers import ByteTokenizer, HashedWordTokenizer

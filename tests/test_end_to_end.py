@@ -49,12 +49,20 @@ def test_golden_losses_and_eval(smoke_run):
     root, result = smoke_run
     observed = {
         "losses": {str(m["step"]): m["loss"] for m in read_metrics(result.run_dir)},
-        "eval": {f"{r['name']}:{r.get('label', '')}": {k: v for k, v in r.items() if isinstance(v, float)}
-                 for r in result.evals},
+        "eval": {
+            f"{r['name']}:{r.get('label', '')}": {k: v for k, v in r.items() if isinstance(v, float)}
+            for r in result.evals
+        },
     }
     if os.environ.get("CLIPKIT_REGENERATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"command": "clipkit train quickstart@smoke " + " ".join(SMOKE), **observed},
-                                     indent=2, sort_keys=True) + "\n")
+        GOLDEN.write_text(
+            json.dumps(
+                {"command": "clipkit train quickstart@smoke " + " ".join(SMOKE), **observed},
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
     golden = json.loads(GOLDEN.read_text())
     assert set(observed["losses"]) == {"2", "4", "6", "8"}
     for step, loss in golden["losses"].items():

@@ -32,7 +32,9 @@ def test_variant_and_overrides_apply_in_order(registry):
 
 
 def test_changing_a_slot_name_resets_its_arguments(registry):
-    recipe = load_recipe("clip", ["model.image_encoder.name=vit_tiny", "model.image_encoder.layers=1"], registry=registry)
+    recipe = load_recipe(
+        "clip", ["model.image_encoder.name=vit_tiny", "model.image_encoder.layers=1"], registry=registry
+    )
     assert recipe["model"]["image_encoder"] == {"name": "vit_tiny", "layers": 1}
 
 

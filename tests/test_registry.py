@@ -52,7 +52,9 @@ def test_autoload_can_be_disabled(monkeypatch):
     calls = []
     import pluggy
 
-    monkeypatch.setattr(pluggy.PluginManager, "load_setuptools_entrypoints", lambda self, group: calls.append(group))
+    monkeypatch.setattr(
+        pluggy.PluginManager, "load_setuptools_entrypoints", lambda self, group: calls.append(group)
+    )
     monkeypatch.setenv("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
     make_plugin_manager()
     assert calls == []

@@ -18,8 +18,13 @@ TRANSFORM = ImageTransform(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0
 @pytest.fixture
 def shards(tmp_path):
     source = SyntheticShapes(n=40, seed=3)
-    write_shards(source, tmp_path / "shards", source="synthetic://shapes?n=40&seed=3", info=source.info(),
-                 samples_per_shard=16)
+    write_shards(
+        source,
+        tmp_path / "shards",
+        source="synthetic://shapes?n=40&seed=3",
+        info=source.info(),
+        samples_per_shard=16,
+    )
     return tmp_path / "shards", source
 
 
@@ -69,8 +74,13 @@ def test_missing_manifest_is_a_clear_error(tmp_path):
 
 
 def stream(directory, **kwargs):
-    options = {"batch_size": 8, "transform": TRANSFORM, "tokenizer": HashedWordTokenizer(64, 16), "seed": 0,
-               "shuffle_buffer": 10}
+    options = {
+        "batch_size": 8,
+        "transform": TRANSFORM,
+        "tokenizer": HashedWordTokenizer(64, 16),
+        "seed": 0,
+        "shuffle_buffer": 10,
+    }
     options.update(kwargs)
     return BatchStream(directory, **options)
 

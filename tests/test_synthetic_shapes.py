@@ -8,9 +8,9 @@ import re
 
 import numpy as np
 import pytest
-from clipkit.plugins import synthetic_shapes as ss
 from PIL import Image
 
+from clipkit.plugins import synthetic_shapes as ss
 from clipkit.types import Sample
 
 

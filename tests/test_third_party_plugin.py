@@ -1,4 +1,4 @@
-"""The docs' 20-line third-party plugin: pip-installed, listed by `clipkit plugins`, trains from an override."""
+"""The docs' 20-line plugin: pip-installed, listed by `clipkit plugins`, trained from an override."""
 
 from __future__ import annotations
 
@@ -28,16 +28,32 @@ def installed(tmp_path_factory):
     package.mkdir()
     for name, content in example_files().items():
         (package / name).write_text(content, encoding="utf-8")
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--target", str(site), str(package)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+        str(package),
+    ]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(site), "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD": "0"}
     return root, env
 
 
 def clipkit(args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "clipkit", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "clipkit", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_the_example_is_about_twenty_lines():
@@ -59,8 +75,16 @@ def test_installed_plugin_is_listed(installed):
 
 def test_installed_plugin_trains_from_a_recipe_override(installed):
     root, env = installed
-    args = ["train", "quickstart@smoke", "loss.name=i2t_infonce", "loss.weight=0.5", "train.steps=2",
-            "train.log_every=1", "--run-dir", "run"]
+    args = [
+        "train",
+        "quickstart@smoke",
+        "loss.name=i2t_infonce",
+        "loss.weight=0.5",
+        "train.steps=2",
+        "train.log_every=1",
+        "--run-dir",
+        "run",
+    ]
     result = clipkit(args, env, root)
     assert result.returncode == 0, result.stderr + result.stdout
     metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -71,8 +95,11 @@ def test_installed_plugin_trains_from_a_recipe_override(installed):
 
 def test_autoload_disabled_hides_it(installed):
     root, env = installed
-    result = clipkit(["validate", "quickstart", "loss.name=i2t_infonce"], {**env, "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD": "1"},
-                     root)
+    result = clipkit(
+        ["validate", "quickstart", "loss.name=i2t_infonce"],
+        {**env, "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        root,
+    )
     assert result.returncode == 2 and "unknown loss 'i2t_infonce'" in result.stderr
 
 
@@ -84,5 +111,7 @@ def test_contract_checks_pass_on_the_example(installed):
         "assert 'i2t_infonce' in check_plugin(m).names('loss')\n"
         "check_loss(m.ImageToTextInfoNCE())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
