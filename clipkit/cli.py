@@ -121,9 +121,9 @@ def eval_command(
     data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
-    output: Annotated[Path, typer.Option(help="Write the JSON report here")] = None,
+    output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
 ):
-    """Evaluate an export: zero-shot classification, retrieval, ..."""
+    """Evaluate an export: zero-shot classification, retrieval, ... (prints a table, writes JSON)."""
     from clipkit import api
 
     tasks = None
@@ -131,10 +131,10 @@ def eval_command(
         config = {"name": task, **dict(parse_pairs(set_ or [], typed=True))}
         config.update({k: v for k, v in (("data", data), ("label", label)) if v is not None})
         tasks = [config]
+    output = output or export_dir / "eval.json"
     report = api.evaluate(export_dir, tasks, registry=registry(), output=output)
     print_evals(report["results"])
-    if output:
-        typer.echo(f"report written to {output}")
+    typer.echo(f"report written to {output}")
 
 
 @fails_cleanly
@@ -270,17 +270,17 @@ def print_summary(result) -> None:
 def print_evals(results: list[dict]) -> None:
     from rich.table import Table
 
-    table = Table("task", "data", "metric", "value")
+    table = Table("task", "metric", "value", "data")
     for result in results:
-        where = f"{result.get('data', '')}" + (f" [{result['label']}]" if "label" in result else "")
+        task = result["name"] + (f":{result['label']}" if "label" in result else "")
         for key, value in result.items():
-            if isinstance(value, float) and key not in ("chance",):
-                note = (
-                    f"  ({value / result['chance']:.1f}x chance)"
-                    if key == "top1" and "chance" in result
-                    else ""
-                )
-                table.add_row(result["name"], where, key, f"{value:.4f}{note}")
+            if not isinstance(value, float) or key == "chance":
+                continue
+            note = (
+                f"  ({value / result['chance']:.1f}x chance)" if key == "top1" and "chance" in result else ""
+            )
+            table.add_row(task, key, f"{value:.4f}{note}", str(result.get("data", "")))
+            task = ""  # name each task once
     console().print(table)
 
 

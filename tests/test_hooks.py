@@ -1,0 +1,74 @@
+"""Hooks beyond registration: extra CLI commands, data sources that take over a URI, metric loggers."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from clipkit.cli import make_app
+from clipkit.hookspecs import hookimpl
+from clipkit.manager import make_plugin_manager
+from clipkit.shard import open_source
+from clipkit.types import Sample
+
+
+class HelloCommand:
+    @hookimpl
+    def register_commands(self, app):
+        @app.command("hello")
+        def hello(name: str = typer.Option("world")):
+            """Say hello."""
+            typer.echo(f"hello {name}")
+
+
+class ShapesOverride:
+    """A source plugin that takes over the built-in synthetic:// scheme (built-ins are trylast)."""
+
+    @hookimpl
+    def open_source(self, uri, options):
+        if uri.startswith("synthetic://"):
+            return [Sample(key="mine", image=b"", image_ext="png", captions=("x",))]
+        return None
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def on_metrics(self, step, metrics, run):
+        self.calls.append((step, dict(metrics), run.recipe))
+
+
+def test_register_commands_adds_a_cli_command():
+    app = make_app(make_plugin_manager(autoload=False, extra_plugins=[HelloCommand()]))
+    result = CliRunner().invoke(app, ["hello", "--name", "clip"])
+    assert result.exit_code == 0 and result.output.strip() == "hello clip"
+    assert "hello" in CliRunner().invoke(app, ["--help"]).output
+
+
+def test_plugin_source_wins_over_builtin():
+    pm = make_plugin_manager(autoload=False, extra_plugins=[ShapesOverride()])
+    assert [s.key for s in open_source("synthetic://shapes", pm=pm)] == ["mine"]
+    builtin = open_source("synthetic://shapes?n=2", pm=make_plugin_manager(autoload=False))
+    assert len(list(builtin)) == 2
+
+
+def test_on_metrics_reaches_every_logger(in_tmp):
+    from clipkit import api
+    from clipkit.registry import Registry
+
+    recorder = Recorder()
+    registry = Registry(make_plugin_manager(autoload=False, extra_plugins=[recorder]))
+    overrides = ["train.steps=4", "train.log_every=2", "train.export=false"]
+    api.train("quickstart@smoke", overrides, run_dir=in_tmp / "run", registry=registry)
+    assert [step for step, _, _ in recorder.calls] == [2, 4]
+    assert recorder.calls[0][2] == "quickstart@smoke"
+    assert {"loss", "lr", "logit_scale", "samples_per_s"} <= set(recorder.calls[0][1])
+    # The built-in JSONL logger ran too.
+    assert len((in_tmp / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_help_through_cli_runner():
+    result = CliRunner().invoke(make_app(make_plugin_manager(autoload=False)), ["--help"])
+    assert result.exit_code == 0 and "clipkit train quickstart" in result.output

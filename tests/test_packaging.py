@@ -1,0 +1,32 @@
+"""The wheel ships plugins/ and recipes/ inside clipkit, never as top-level packages."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_contents(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--wheel-dir",
+        str(tmp_path),
+        str(ROOT),
+    ]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    (wheel,) = tmp_path.glob("clipkit-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "clipkit/plugins/dot.py" in names and "clipkit/plugins/synthetic_shapes.py" in names
+    assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
+    top_level = {name.split("/")[0] for name in names}
+    assert top_level == {"clipkit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "clipkit = clipkit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
