@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clipkit.errors import ClipkitError
 from clipkit.registry import Registry, default_registry
 
 
@@ -76,8 +77,10 @@ def train(
     started = time.perf_counter()
     if resume:
         if run_dir is None:
-            raise ValueError("--resume needs --run-dir")
+            raise ClipkitError("--resume needs --run-dir (the run to continue)")
         recipe = resume_recipe(Path(run_dir), overrides or [], registry)
+        if spec != recipe["name"]:
+            raise ClipkitError(f"{run_dir} is a run of recipe {recipe['name']!r}, not {spec!r}")
     else:
         recipe = resolve(spec, overrides or [], registry)
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
@@ -99,7 +102,6 @@ def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> di
     """The run's saved recipe with extra overrides (e.g. more ``train.steps``)."""
     from omegaconf import OmegaConf
 
-    from clipkit.errors import ClipkitError
     from clipkit.recipe import apply_override
 
     path = run_dir / "recipe.yaml"

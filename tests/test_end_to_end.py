@@ -16,6 +16,7 @@ import torch
 
 from clipkit import api
 from clipkit.checkpoint import list_checkpoints, load_checkpoint
+from clipkit.errors import ClipkitError
 
 GOLDEN = Path(__file__).parent / "golden" / "smoke.json"
 SMOKE = ["train.steps=8", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]
@@ -124,7 +125,9 @@ def test_resume_continues_exactly(smoke_run, tmp_path, monkeypatch):
     (interrupted / "checkpoints" / first.name).write_bytes(first.read_bytes())
     (interrupted / "recipe.yaml").write_text((result.run_dir / "recipe.yaml").read_text())
 
-    resumed = api.train("ignored", run_dir=interrupted, resume=True, registry=fresh_registry())
+    with pytest.raises(ClipkitError, match="is a run of recipe 'quickstart@smoke'"):
+        api.train("clip", run_dir=interrupted, resume=True, registry=fresh_registry())
+    resumed = api.train("quickstart@smoke", run_dir=interrupted, resume=True, registry=fresh_registry())
     expected = load_checkpoint(list_checkpoints(result.run_dir)[-1])
     got = load_checkpoint(list_checkpoints(interrupted)[-1])
     assert got["step"] == 8 and got["data"] == expected["data"]
@@ -134,8 +137,6 @@ def test_resume_continues_exactly(smoke_run, tmp_path, monkeypatch):
 
 
 def test_refuses_to_overwrite_a_run(smoke_run):
-    from clipkit.errors import ClipkitError
-
     root, result = smoke_run
     with pytest.raises(ClipkitError, match="already holds a run"):
         api.train("quickstart@smoke", SMOKE, run_dir=result.run_dir, registry=fresh_registry())
