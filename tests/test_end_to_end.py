@@ -90,7 +90,7 @@ def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
     assert metadata["plugins"]["model.image_encoder"]["name"] == "vit_tiny"
     assert metadata["plugins"]["similarity"]["distribution"] == "clipkit"
     assert metadata["tokenizer"]["name"] == "hashed_words"
-    assert metadata["preprocessing"]["image_size"] == 32
+    assert metadata["preprocessing"]["image_size"] == 48
     assert metadata["recipe"]["name"] == "quickstart@smoke"
 
     from clipkit.export import load_export
