@@ -68,7 +68,9 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     num_samples = int(read_manifest(shards)["n"])
 
     model = build_model(recipe, registry)
-    loss = build_slot(registry, "loss", recipe["loss"], "loss", num_samples=num_samples)
+    loss = build_slot(
+        registry, "loss", recipe["loss"], "loss", num_samples=num_samples, total_steps=train.steps
+    )
     optimizer = build_slot(
         registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
     )

@@ -37,7 +37,7 @@ def test_plugins_lists_distribution_and_names(app):
     assert result.exit_code == 0, result.output
     rows = {row["plugin"]: row for row in json.loads(result.output)}
     losses = rows["clipkit.plugins.losses"]
-    assert losses["distribution"] == "clipkit" and losses["registers"] == {"loss": ["infonce"]}
+    assert losses["distribution"] == "clipkit" and "infonce" in losses["registers"]["loss"]
     assert rows["clipkit.plugins.sources"]["hooks"] == ["open_source"]
     table = runner.invoke(app, ["plugins"])
     assert table.exit_code == 0 and "vit_tiny" in table.output
@@ -59,7 +59,7 @@ def test_validate_reports_every_error_and_exits_nonzero(app):
     result = runner.invoke(app, ["validate", "clip@tiny", "loss.name=infonse", "optimizer.lr=x"])
     assert result.exit_code == 2
     assert "2 error(s)" in result.output
-    assert "Did you mean: infonce?" in result.output and "optimizer.lr" in result.output
+    assert "Did you mean: infonce" in result.output and "optimizer.lr" in result.output
 
 
 def test_unknown_recipe_exits_nonzero_with_suggestion(app):

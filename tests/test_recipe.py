@@ -62,7 +62,7 @@ def test_all_errors_are_reported_with_key_paths(registry):
     )
     errors = validate(recipe, registry)
     joined = "\n".join(errors)
-    assert "loss.name: unknown loss 'infonse'. Did you mean: infonce?" in joined
+    assert "loss.name: unknown loss 'infonse'. Did you mean: infonce," in joined
     assert "optimizer.lr: expected float, got str 'fast'" in joined
     assert "optimizer.momentum: unknown key for optimizer 'adamw'" in joined
     assert "model.image_encoder.embed_dim: set by clipkit" in joined

@@ -21,7 +21,7 @@ class Misspelled:
 def test_builtins_register_through_the_same_hooks(registry):
     owned = registry.by_plugin()
     assert set(owned) <= set(BUILTIN_PLUGINS)
-    assert owned["clipkit.plugins.losses"]["loss"] == ["infonce"]
+    assert {"infonce", "siglip", "nuclr"} <= set(owned["clipkit.plugins.losses"]["loss"])
     assert "quickstart" in registry.names("recipe")
 
 
@@ -37,8 +37,8 @@ def test_duplicate_name_names_both_plugins():
 def test_unknown_name_suggests_close_matches(registry):
     with pytest.raises(UnknownNameError) as error:
         registry.get("loss", "infonse")
-    assert error.value.suggestions == ["infonce"]
-    assert "Did you mean: infonce?" in str(error.value)
+    assert error.value.suggestions[0] == "infonce"
+    assert "Did you mean: infonce" in str(error.value)
 
 
 def test_misspelled_hook_is_an_error():
