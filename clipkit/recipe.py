@@ -107,7 +107,7 @@ PAIRS = ("image_text", "two_view")
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
-    """'clip@tiny' -> ('clip', 'tiny'); 'clip' -> ('clip', None)."""
+    """'clip@tiny' -> ('clip', 'tiny'); 'wpse@imq+tiny' -> ('wpse', 'imq+tiny'); 'clip' -> ('clip', None)."""
     name, _, variant = spec.partition("@")
     return name, (variant or None)
 
@@ -132,10 +132,11 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     recipe = read_base(base_name, registry)
     variants = recipe.pop("variants", None) or {}
     config = OmegaConf.create(recipe)
-    if variant is not None:
-        if variant not in variants:
-            raise UnknownNameError("variant", variant, variants, where=f"recipe {base_name!r}")
-        for key, value in variants[variant].items():
+    # Variants compose left to right: `wpse@imq+tiny` applies `imq`, then `tiny`.
+    for name in variant.split("+") if variant else []:
+        if name not in variants:
+            raise UnknownNameError("variant", name, variants, where=f"recipe {base_name!r}")
+        for key, value in variants[name].items():
             apply_override(config, key, value)
     for item in overrides:
         key, sep, text = item.partition("=")

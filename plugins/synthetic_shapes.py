@@ -219,6 +219,15 @@ def render(
     All randomness (background level and noise, colour, extent and offset jitter) comes from
     ``rng``, so the same rng state gives the same image.
     """
+    return render_with_geometry(colour, shape, position, size, rng, image_size)[0]
+
+
+def render_with_geometry(
+    colour: str, shape: str, position: str, size: str, rng: random.Random, image_size: int = 32
+) -> tuple[Image.Image, dict[str, float]]:
+    """:func:`render`, also returning the continuous geometry actually drawn: ``extent`` (shape
+    extent / image side) and ``x``, ``y`` (centre / image side) — continuous proxy labels for
+    y-Aware-style meta-data kernels."""
     _check_attributes(colour, shape, position, size)
     extent = SIZE_FRACTION[size] * image_size * rng.uniform(*EXTENT_JITTER)
     # Jitter the centre by at most the slack between the shape and its cell, so it never leaves it.
@@ -236,7 +245,9 @@ def render(
     )
     alpha = _shape_mask(shape, cx, cy, extent, image_size)[..., None]
     pixels = background * (1 - alpha) + rgb * alpha
-    return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8), "RGB")
+    image = Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8), "RGB")
+    geometry = {"extent": extent / image_size, "x": cx / image_size, "y": cy / image_size}
+    return image, {k: round(v, 6) for k, v in geometry.items()}
 
 
 def _png_bytes(image: Image.Image) -> bytes:
@@ -300,13 +311,13 @@ class SyntheticShapes:
         rng = self._rng(i)
         attrs = self._draw(rng)
         colour, shape, position, size = attrs["colour"], attrs["shape"], attrs["position"], attrs["size"]
-        image = render(colour, shape, position, size, rng, self.image_size)
+        image, geometry = render_with_geometry(colour, shape, position, size, rng, self.image_size)
         return Sample(
             key=f"{self.split}-{self.seed}-{i:08d}",
             image=_png_bytes(image),
             image_ext="png",
             captions=captions(colour, shape, position, size),
-            meta={**attrs, "combo": combo_name(colour, shape)},
+            meta={**attrs, "combo": combo_name(colour, shape), **geometry},
         )
 
     def info(self) -> dict[str, Any]:

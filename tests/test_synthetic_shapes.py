@@ -146,7 +146,18 @@ def test_articles_agree_with_the_next_word():
 
 def test_meta_is_json_serialisable():
     sample = ss.SyntheticShapes(n=1).sample(0)
-    assert set(json.loads(json.dumps(dict(sample.meta)))) == {"colour", "shape", "position", "size", "combo"}
+    keys = {"colour", "shape", "position", "size", "combo", "extent", "x", "y"}
+    assert set(json.loads(json.dumps(dict(sample.meta)))) == keys
+
+
+def test_continuous_geometry_matches_the_stated_attributes():
+    source = ss.SyntheticShapes(n=200, image_size=48)
+    for sample in source:
+        meta = sample.meta
+        row, col = divmod(ss.POSITIONS.index(meta["position"]), 3)
+        assert col / 3 <= meta["x"] <= (col + 1) / 3 and row / 3 <= meta["y"] <= (row + 1) / 3
+        nominal = ss.SIZE_FRACTION[meta["size"]]
+        assert 0.9 * nominal - 1e-6 <= meta["extent"] <= nominal + 1e-6  # EXTENT_JITTER only shrinks
 
 
 def _nearest_colour(pixels: np.ndarray) -> np.ndarray:
