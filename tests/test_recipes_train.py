@@ -22,10 +22,13 @@ SPECS = [
 ]
 
 
+SOURCE = "synthetic://shapes?n=96&split=train&image_size=48"
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     directory = tmp_path_factory.mktemp("data") / "shapes"
-    api.shard("synthetic://shapes?n=96&split=train&image_size=48", directory, registry=REGISTRY)
+    api.shard(SOURCE, directory, registry=REGISTRY)
     return directory
 
 
@@ -43,6 +46,7 @@ def test_the_paper_recipes_have_tiny_variants():
 def test_trains_a_few_steps_with_finite_losses(spec, shards, tmp_path):
     overrides = [
         f"data.shards={shards}",
+        f"data.source={SOURCE}",
         "data.batch_size=16",
         "train.steps=3",
         "train.log_every=1",

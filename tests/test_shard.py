@@ -136,3 +136,13 @@ def test_too_few_samples_for_a_batch(shards):
 def test_manifest_is_json(shards):
     directory, _ = shards
     json.loads((directory / "manifest.json").read_text())
+
+
+def test_existing_shards_of_another_source_are_refused(shards):
+    from clipkit.shard import ensure_shards
+
+    directory, _ = shards
+    assert ensure_shards(str(directory), "synthetic://shapes?n=40&seed=3") == directory
+    assert ensure_shards(str(directory), "") == directory
+    with pytest.raises(DataError, match="holds shards of 'synthetic://shapes\\?n=40&seed=3'"):
+        ensure_shards(str(directory), "synthetic://shapes?n=41")
