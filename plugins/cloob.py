@@ -27,6 +27,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from clipkit.plugins.temperature import clamped_exp, register_log_value
 from clipkit.types import Logits, LossContext, LossOutput, PointSet
 
 #: CLIP's bound on a learnable logit scale, applied to a learnable 1/τ.
@@ -89,16 +90,11 @@ class HopfieldSimilarity(nn.Module):
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.beta = float(beta)
         self.learn_scale = learn_scale
-        log_inverse_tau = torch.tensor(float(inverse_tau)).log()
-        if learn_scale:
-            self.log_inverse_tau = nn.Parameter(log_inverse_tau)
-        else:
-            self.register_buffer("log_inverse_tau", log_inverse_tau)
+        register_log_value(self, "log_inverse_tau", inverse_tau, learnable=learn_scale)
 
     def scale(self) -> Tensor:
         """0-d tensor 1/τ (clamped to ≤ 100 when learnable; no gradient above the clamp)."""
-        inverse_tau = self.log_inverse_tau.exp()
-        return inverse_tau.clamp(max=MAX_LEARNED_INVERSE_TAU) if self.learn_scale else inverse_tau
+        return clamped_exp(self.log_inverse_tau, MAX_LEARNED_INVERSE_TAU if self.learn_scale else None)
 
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> Tensor:
         """[B, M, d] -> [B, d] unit pooled embeddings; eval-mode logits = (1/τ)·embed(a) @ embed(b).T.

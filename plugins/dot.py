@@ -9,11 +9,10 @@ Hand-derived case (tested): x = [[1, 0]], y = [[0.6, 0.8]], s = 10 -> logit 6.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
+from clipkit.plugins.temperature import clamped_exp, register_log_value
 from clipkit.types import Logits, PointSet
 
 
@@ -38,18 +37,13 @@ class DotSimilarity(nn.Module):
         super().__init__()
         if init_scale <= 0:
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
-        log_scale = torch.tensor(math.log(init_scale))
-        if learn_scale:
-            self.log_scale = nn.Parameter(log_scale)
-        else:
-            self.register_buffer("log_scale", log_scale)
+        register_log_value(self, "log_scale", init_scale, learnable=learn_scale)
         self.max_scale = max_scale
         self.bias = nn.Parameter(torch.tensor(float(bias))) if bias is not None else None
 
     def scale(self) -> Tensor:
         """0-d tensor s = exp(t), clamped to ``max_scale``."""
-        scale = self.log_scale.exp()
-        return scale.clamp(max=self.max_scale) if self.max_scale is not None else scale
+        return clamped_exp(self.log_scale, self.max_scale)
 
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> Tensor:
         """[B, M, d] -> [B, d] pooled vectors with logits = s·embed(a) @ embed(b).T (+ c)."""

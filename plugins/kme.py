@@ -30,12 +30,11 @@ s = log(1·e^0 + 3·e^{−2}) = log(1 + 3e^{−2}).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from clipkit.plugins.temperature import clamped_exp, register_log_value
 from clipkit.types import Logits, PointSet
 
 
@@ -195,18 +194,13 @@ class KMESimilarity(nn.Module):
             raise ValueError(f"max_gamma must be > 0 or None, got {max_gamma}")
         if int(block_size) != block_size or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
-        log_gamma = torch.tensor(math.log(init_gamma))
-        if learn_gamma:
-            self.log_gamma = nn.Parameter(log_gamma)
-        else:
-            self.register_buffer("log_gamma", log_gamma)
+        register_log_value(self, "log_gamma", init_gamma, learnable=learn_gamma)
         self.max_gamma = max_gamma
         self.block_size = int(block_size)
 
     def gamma(self) -> Tensor:
         """0-d tensor γ = exp(t), clamped to ``max_gamma``."""
-        gamma = self.log_gamma.exp()
-        return gamma.clamp(max=self.max_gamma) if self.max_gamma is not None else gamma
+        return clamped_exp(self.log_gamma, self.max_gamma)
 
     def forward(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits:
         """a: [Na, Mx, d], b: [Nb, My, d] -> Logits(i2t [Na, Nb], t2i = i2t.T). ``generator`` is unused."""
