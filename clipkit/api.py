@@ -78,13 +78,12 @@ def train(
     if resume:
         if run_dir is None:
             raise ClipkitError("--resume needs --run-dir (the run to continue)")
-        recipe = resume_recipe(Path(run_dir), overrides or [], registry)
+        recipe = validate_or_raise(resume_recipe(Path(run_dir), overrides or [], registry), registry)
         if spec != recipe["name"]:
             raise ClipkitError(f"{run_dir} is a run of recipe {recipe['name']!r}, not {spec!r}")
     else:
         recipe = resolve(spec, overrides or [], registry)
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
-    validate_or_raise(recipe, registry)
     prepare_run_dir(recipe, run_dir, resume=resume)
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
     metrics = train_loop(trainer, progress=progress)
@@ -102,15 +101,13 @@ def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> di
     """The run's saved recipe with extra overrides (e.g. more ``train.steps``)."""
     from omegaconf import OmegaConf
 
-    from clipkit.recipe import apply_override
+    from clipkit.recipe import apply_overrides
 
     path = run_dir / "recipe.yaml"
     if not path.is_file():
         raise ClipkitError(f"{run_dir}: cannot resume, recipe.yaml is missing")
     config = OmegaConf.load(path)
-    for item in overrides:
-        key, _, text = item.partition("=")
-        apply_override(config, key.strip(), OmegaConf.from_dotlist([f"x={text}"]).x)
+    apply_overrides(config, overrides, str(path))
     recipe = OmegaConf.to_container(config, resolve=True)
     recipe["overrides"] = list(recipe.get("overrides") or []) + list(overrides)
     return recipe

@@ -210,9 +210,9 @@ def parse_pairs(items: list[str], typed: bool = False) -> list[tuple[str, object
         if not sep:
             raise ClipkitError(f"expected key=value, got {item!r}")
         if typed:
-            from omegaconf import OmegaConf
+            from clipkit.recipe import parse_value
 
-            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"x={value}"]))["x"]
+            value = parse_value(value)
         pairs.append((key, value))
     return pairs
 

@@ -21,7 +21,7 @@ from clipkit.errors import ClipkitError
 from clipkit.io import atomic_directory
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
-from clipkit.recipe import SLOTS, section, validate_or_raise
+from clipkit.recipe import SLOTS, get_path, section, validate_or_raise
 from clipkit.registry import Registry
 
 FORMAT = "clipkit-export/1"
@@ -37,7 +37,7 @@ def describe(recipe: dict, registry: Registry) -> dict[str, Any]:
     for slot in SLOTS:
         if slot.path not in MODEL_SLOTS:
             continue
-        config = _get(recipe, slot.path)
+        config = get_path(recipe, slot.path)
         if config is None:
             continue
         entry = registry.get(slot.kind, config["name"])
@@ -127,10 +127,3 @@ def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel,
     model = build_model(recipe, registry)
     load_model(model, str(Path(export_dir) / WEIGHTS), strict=True)
     return model.eval(), metadata
-
-
-def _get(recipe: dict, path: str):
-    node: Any = recipe
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node

@@ -138,15 +138,32 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
             raise UnknownNameError("variant", name, variants, where=f"recipe {base_name!r}")
         for key, value in variants[name].items():
             apply_override(config, key, value)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise RecipeError(spec, [f"override {item!r} is not of the form key=value"])
-        apply_override(config, key.strip(), OmegaConf.from_dotlist([f"x={text}"]).x)
+    apply_overrides(config, overrides, spec)
     resolved = OmegaConf.to_container(config, resolve=True)
     resolved["name"] = spec if Path(base_name).suffix not in (".yaml", ".yml") else Path(base_name).stem
     resolved["overrides"] = list(overrides)
     return resolved
+
+
+def parse_override(item: str, where: str) -> tuple[str, Any]:
+    """'optimizer.betas=[0.9,0.95]' -> ('optimizer.betas', [0.9, 0.95]) (values parsed as YAML)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(where, [f"override {item!r} is not of the form key=value"])
+    return key.strip(), parse_value(text)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value parsed as YAML, as OmegaConf's dotlist does ('3' -> 3, '[1,2]' -> [1, 2])."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"x={text}"]))["x"]
+
+
+def apply_overrides(config, overrides, where: str) -> None:
+    """Apply ``key=value`` strings in order (see :func:`apply_override`)."""
+    for item in overrides:
+        apply_override(config, *parse_override(item, where))
 
 
 def apply_override(config, key: str, value: Any) -> None:
@@ -198,9 +215,9 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     for section, schema in SECTIONS.items():
         errors += _check_section(recipe.get(section), section, schema)
     for slot in SLOTS:
-        if slot.path == "model.text_encoder" and _get(recipe, "model.pair") == "two_view":
+        if slot.path == "model.text_encoder" and get_path(recipe, "model.pair") == "two_view":
             continue
-        errors += check_slot(_get(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
+        errors += check_slot(get_path(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
     tasks = recipe.get("eval") or []
     if not isinstance(tasks, list):
         errors.append("eval: must be a list of tasks ({name: ..., ...})")
@@ -322,7 +339,7 @@ def _check_values(recipe: dict) -> list[str]:
     if isinstance(model, dict) and model.get("pair", "image_text") not in PAIRS:
         errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
     for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
-        value = _get(recipe, path)
+        value = get_path(recipe, path)
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             errors.append(f"{path}: must be > 0, got {value}")
     return errors
@@ -335,7 +352,8 @@ def _unknown_key(path: str, key: str, known, context: str = "") -> str:
     return f"{path}: unknown key{context}{hint} (known: {', '.join(sorted(known))})"
 
 
-def _get(recipe: dict, path: str) -> Any:
+def get_path(recipe: dict, path: str) -> Any:
+    """The value at dotted ``path`` of a plain-dict recipe, or None when any part is missing."""
     node: Any = recipe
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
