@@ -58,14 +58,14 @@ def shard_command(
     from clipkit import api
 
     options = dict(parse_pairs(option or []))
-    with step_progress("sharding", total=None) as advance:
+    with step_progress("sharding", total=None) as report:
         manifest = api.shard(
             source,
             out,
             samples_per_shard=samples_per_shard,
             options=options,
             registry=registry(),
-            progress=advance,
+            progress=report,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
 
@@ -81,18 +81,15 @@ def train_command(
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
-    from clipkit.recipe import section
 
-    recipe_dict = None if resume else api.resolve(recipe, overrides or [], registry())
-    steps = section(recipe_dict, "train").steps if recipe_dict else None
-    with step_progress("training", total=steps) as advance:
+    with step_progress("training", total=None) as report:
         result = api.train(
             recipe,
             overrides or [],
             run_dir=run_dir,
             resume=resume,
             registry=registry(),
-            progress=lambda step, metrics: advance(1, metrics),
+            progress=lambda done, total, metrics: report(completed=done, total=total, metrics=metrics),
         )
     print_summary(result)
 
@@ -218,7 +215,10 @@ def parse_pairs(items: list[str], typed: bool = False) -> list[tuple[str, object
 
 
 class step_progress:
-    """A rich progress bar on stderr (hidden when stderr is not a terminal); yields advance(n, metrics)."""
+    """A rich progress bar on stderr, hidden when stderr is not a terminal.
+
+    Yields ``report(advance=0, *, completed=None, total=None, metrics=None)``.
+    """
 
     def __init__(self, description: str, total: int | None) -> None:
         from rich.console import Console
@@ -239,13 +239,13 @@ class step_progress:
     def __enter__(self):
         self.progress.__enter__()
 
-        def advance(n: int = 1, metrics: dict | None = None) -> None:
-            status = (
-                f"loss {metrics['loss']:.4f}" if metrics and isinstance(metrics.get("loss"), float) else ""
-            )
-            self.progress.update(self.task, advance=n, status=status)
+        def report(advance: int = 0, *, completed=None, total=None, metrics: dict | None = None) -> None:
+            """Advance by ``advance`` or jump to ``completed`` (resumed runs start mid-way)."""
+            loss = (metrics or {}).get("loss")
+            status = f"loss {loss:.4f}" if isinstance(loss, float) else ""
+            self.progress.update(self.task, advance=advance, completed=completed, total=total, status=status)
 
-        return advance
+        return report
 
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)

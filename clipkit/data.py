@@ -10,6 +10,7 @@ Batches are built from *undecoded* records first, so skipping costs I/O, not dec
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 from collections.abc import Iterator
@@ -49,9 +50,13 @@ class ImageTransform:
         if self.hflip and rng.random() < 0.5:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        mean = torch.tensor(self.mean).view(3, 1, 1)
-        std = torch.tensor(self.std).view(3, 1, 1)
+        mean, std = self.normalisation
         return (array - mean) / std
+
+    @functools.cached_property
+    def normalisation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([3, 1, 1] mean, [3, 1, 1] std), built once rather than per image."""
+        return torch.tensor(self.mean).view(3, 1, 1), torch.tensor(self.std).view(3, 1, 1)
 
 
 def random_crop_box(size: tuple[int, int], scale: tuple[float, float], rng: random.Random):

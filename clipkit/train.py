@@ -150,7 +150,10 @@ def loss_context(
 
 
 def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
-    """Run from ``trainer.start_step`` to ``train.steps``; returns the last logged metrics."""
+    """Run from ``trainer.start_step`` to ``train.steps``; returns the last logged metrics.
+
+    ``progress(done, total, metrics)`` is called after every step (the CLI's progress bar).
+    """
     rt, model, loss_fn, optimizer = trainer.runtime, trainer.model, trainer.loss, trainer.optimizer
     train = section(trainer.recipe, "train")
     similarity = rt.unwrap(model).similarity
@@ -191,7 +194,7 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
         if done % train.checkpoint_every == 0 or done == train.steps:
             checkpoint(trainer, done)
         if progress is not None:
-            progress(done, last)
+            progress(done, train.steps, last)
     return last
 
 
