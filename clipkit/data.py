@@ -10,11 +10,9 @@ Batches are built from *undecoded* records first, so skipping costs I/O, not dec
 
 from __future__ import annotations
 
-import functools
 import io
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,51 +20,9 @@ import torch.utils.data
 
 from clipkit.errors import DataError
 from clipkit.shard import decode_record, read_manifest, shard_urls
+from clipkit.transforms import ImageTransform
 
-
-@dataclass(frozen=True)
-class ImageTransform:
-    """PIL image -> normalised float tensor [3, S, S].
-
-    crop_scale: random-resized-crop area range (train); (1, 1) = resize only (deterministic).
-    hflip:      random horizontal flip (off by default: captions may say "left"/"right").
-    """
-
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    crop_scale: tuple[float, float] = (1.0, 1.0)
-    hflip: bool = False
-
-    def __call__(self, image, rng: random.Random):
-        import numpy as np
-        from PIL import Image
-
-        image = image.convert("RGB")
-        if self.crop_scale != (1.0, 1.0):
-            image = image.crop(random_crop_box(image.size, self.crop_scale, rng))
-        if image.size != (self.image_size, self.image_size):
-            image = image.resize((self.image_size, self.image_size), Image.BICUBIC)
-        if self.hflip and rng.random() < 0.5:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        mean, std = self.normalisation
-        return (array - mean) / std
-
-    @functools.cached_property
-    def normalisation(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([3, 1, 1] mean, [3, 1, 1] std), built once rather than per image."""
-        return torch.tensor(self.mean).view(3, 1, 1), torch.tensor(self.std).view(3, 1, 1)
-
-
-def random_crop_box(size: tuple[int, int], scale: tuple[float, float], rng: random.Random):
-    """(left, top, right, bottom) of a square-ish crop covering a random area fraction in ``scale``."""
-    width, height = size
-    area = width * height * rng.uniform(*scale)
-    side = max(1, min(width, height, int(round(area**0.5))))
-    left = rng.randint(0, width - side)
-    top = rng.randint(0, height - side)
-    return left, top, left + side, top + side
+__all__ = ["BatchStream", "EpochDataset", "ImageTransform", "decode_image", "skipped_by_worker"]
 
 
 def decode_image(data: bytes, where: str):
@@ -84,11 +40,23 @@ class EpochDataset(torch.utils.data.IterableDataset):
     """One epoch of one rank's batches: an iterable WebDataset pipeline (a torch IterableDataset)."""
 
     def __init__(
-        self, urls, *, batch_size, transform, tokenizer, seed, epoch, skip_batches, shuffle_buffer, views
+        self,
+        urls,
+        *,
+        batch_size,
+        transform,
+        tokenizer,
+        seed,
+        epoch,
+        skip_batches,
+        shuffle_buffer,
+        views,
+        meta_keys=None,
     ):
         self.urls, self.batch_size, self.transform, self.tokenizer = urls, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches = seed, epoch, skip_batches
         self.shuffle_buffer, self.views = shuffle_buffer, views
+        self.meta_keys = dict(meta_keys or {})
 
     def pipeline(self, worker: int, num_workers: int):
         import webdataset as wds
@@ -124,7 +92,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         batch: dict[str, Any] = {
             "image": torch.stack([self.transform(im, rng) for im, rng in zip(images, rngs, strict=True)]),
             "index": torch.tensor([int(s.meta["index"]) for s in samples], dtype=torch.long),
-            "meta": {k: [s.meta.get(k) for s in samples] for k in samples[0].meta if k != "index"},
+            "meta": batch_meta(samples, self.meta_keys),
         }
         if self.views == 2:
             batch["image2"] = torch.stack(
@@ -136,6 +104,20 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 [rng.choice(s.captions) for s, rng in zip(samples, rngs, strict=True)]
             )
         return batch
+
+
+def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
+    """{key: [value per sample]} for every meta-data key of the first sample (but ``index``), plus
+    each ``name: source`` of ``meta_keys`` as ``name`` holding the values of ``source``."""
+    present = [k for k in samples[0].meta if k != "index"]
+    meta = {k: [s.meta.get(k) for s in samples] for k in present}
+    for name, source in meta_keys.items():
+        if source not in samples[0].meta:
+            raise DataError(
+                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only {sorted(present)}"
+            )
+        meta[name] = meta[source]
+    return meta
 
 
 def skipped_by_worker(skip_batches: int, worker: int, num_workers: int) -> int:
@@ -159,7 +141,17 @@ class BatchStream:
     """Endless batches over epochs; ``position`` is saved in checkpoints for exact resume."""
 
     def __init__(
-        self, shards, *, batch_size, transform, tokenizer, seed, num_workers=0, shuffle_buffer=1000, views=1
+        self,
+        shards,
+        *,
+        batch_size,
+        transform,
+        tokenizer,
+        seed,
+        num_workers=0,
+        shuffle_buffer=1000,
+        views=1,
+        meta_keys=None,
     ):
         self.urls = shard_urls(shards)
         self.num_samples = int(read_manifest(shards)["n"])
@@ -170,6 +162,7 @@ class BatchStream:
             shuffle_buffer,
             views,
         )
+        self.meta_keys = dict(meta_keys or {})
         self.epoch, self.batch_in_epoch = 0, 0
         if self.num_samples < batch_size:
             raise DataError(f"{shards}: {self.num_samples} samples are fewer than one batch of {batch_size}")
@@ -202,5 +195,6 @@ class BatchStream:
             skip_batches=skip_batches,
             shuffle_buffer=self.shuffle_buffer,
             views=self.views,
+            meta_keys=self.meta_keys,
         )
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from clipkit.data import ImageTransform
 from clipkit.recipe import SLOTS, section
 from clipkit.registry import Registry
+from clipkit.transforms import ImageTransform
 from clipkit.types import PointSet
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}
@@ -79,13 +79,18 @@ class ContrastiveModel(nn.Module):
 
 
 def build_transform(recipe: dict, *, train: bool) -> ImageTransform:
-    model, data = section(recipe, "model"), recipe.get("data") or {}
+    """The recipe's preprocessing; without ``train`` only the deterministic eval path."""
+    model, data = section(recipe, "model"), section(recipe, "data")
+    common = {"image_size": model.image_size, "mean": tuple(model.mean), "std": tuple(model.std)}
+    if not train:
+        return ImageTransform(**common)
     return ImageTransform(
-        image_size=model.image_size,
-        mean=tuple(model.mean),
-        std=tuple(model.std),
-        crop_scale=tuple(data.get("crop_scale", (1.0, 1.0))) if train else (1.0, 1.0),
-        hflip=bool(data.get("hflip", False)) and train,
+        **common,
+        crop_scale=tuple(data.crop_scale),
+        crop_ratio=tuple(data.crop_ratio),
+        hflip=bool(data.hflip),
+        color_jitter=float(data.color_jitter),
+        grayscale=float(data.grayscale),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import inspect
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,13 @@ class DataConfig:
     num_workers: int = 0
     shuffle_buffer: int = 1000
     crop_scale: tuple = (1.0, 1.0)  # random-resized-crop area range for training images
+    crop_ratio: tuple = (3 / 4, 4 / 3)  # random-resized-crop aspect-ratio range
     hflip: bool = False  # random horizontal flips (off: captions may say left/right)
+    color_jitter: float = 0.0  # SimCLR colour-distortion strength (two-view recipes: 0.5 or 1.0)
+    grayscale: float = 0.0  # probability of a grey image (SimCLR: 0.2)
+    # Meta-data names the loss reads -> the shard's meta-data keys they come from, e.g.
+    # {age: extent} lets a recipe's kernel on `age` run on data whose column is `extent`.
+    meta_keys: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -101,6 +107,7 @@ TOP_LEVEL = {
 TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
 PRECISIONS = ("no", "bf16", "fp16")
 PAIRS = ("image_text", "two_view")
+TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -167,10 +174,15 @@ def apply_overrides(config, overrides, where: str) -> None:
 
 
 def apply_override(config, key: str, value: Any) -> None:
-    """Set ``key`` (dotted) to ``value``, merging mappings; a new slot ``name`` resets the slot."""
+    """Set ``key`` (dotted) to ``value``, merging mappings; a new slot ``name`` resets the slot.
+
+    A bare name for a slot is short for its ``name``: ``loss=simclr`` = ``loss.name=simclr``.
+    """
     from omegaconf import OmegaConf
 
     slot_paths = {slot.path for slot in SLOTS}
+    if isinstance(value, str) and key in slot_paths | _eval_paths(config):
+        key = f"{key}.name"
     parent, _, leaf = key.rpartition(".")
     if leaf == "name" and parent in slot_paths | _eval_paths(config):
         current = OmegaConf.select(config, parent)
@@ -215,8 +227,8 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     for section, schema in SECTIONS.items():
         errors += _check_section(recipe.get(section), section, schema)
     for slot in SLOTS:
-        if slot.path == "model.text_encoder" and get_path(recipe, "model.pair") == "two_view":
-            continue
+        if slot.path in TEXT_SLOTS and get_path(recipe, "model.pair") == "two_view":
+            continue  # one shared image encoder: no text tower, no tokenizer
         errors += check_slot(get_path(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
     tasks = recipe.get("eval") or []
     if not isinstance(tasks, list):

@@ -86,6 +86,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         num_workers=data.num_workers,
         shuffle_buffer=data.shuffle_buffer,
         views=2 if model.pair == "two_view" else 1,
+        meta_keys=dict(data.meta_keys),
     )
     run = RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main)
     trainer = Trainer(recipe, registry, runtime, model, loss, optimizer, schedule, stream, run)

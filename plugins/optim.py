@@ -1,4 +1,5 @@
-"""Built-in optimizers (`adamw`, `sgd`) and learning-rate schedules (`cosine`, `constant`).
+"""Built-in optimizers (`adamw`, `adam`, `sgd`) and learning-rate schedules (`cosine`, `constant`,
+`cosine_restarts`, `step`).
 
 Optimizer factories take ``named_parameters`` (a list of ``(name, parameter)``) and build
 their own parameter groups: weight decay applies to matrices and convolution kernels
@@ -34,6 +35,20 @@ def adamw(
     import torch
 
     return torch.optim.AdamW(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+
+
+def adam(
+    named_parameters,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+):
+    """Adam with L2 weight decay coupled into the gradient (y-Aware, seed 002: lr 1e-3, wd 5e-5),
+    on matrices only."""
+    import torch
+
+    return torch.optim.Adam(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
 
 
 def sgd(
@@ -80,9 +95,46 @@ def constant(optimizer, total_steps: int, warmup_steps: int = 0):
     )
 
 
+def cosine_restarts_factor(step: int, warmup_steps: int, cycle_steps: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine from 1 to ``min_ratio`` over each cycle of ``cycle_steps``,
+    jumping back to 1 at every cycle start (hard restarts)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = ((step - warmup_steps) % cycle_steps) / cycle_steps
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def cosine_restarts(optimizer, total_steps: int, cycle_steps: int, warmup_steps: int = 0, min_lr_ratio=0.0):
+    """Cosine annealing with hard restarts every ``cycle_steps`` after a linear warm-up (CLOOB,
+    seed 001: cycles of 7 epochs, warm-up 20 000 steps on CC / 10 000 on YFCC)."""
+    import torch
+
+    if cycle_steps <= 0 or warmup_steps < 0:
+        raise ValueError(f"need cycle_steps > 0 and warmup_steps >= 0, got {cycle_steps}, {warmup_steps}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_restarts_factor(step, warmup_steps, cycle_steps, min_lr_ratio)
+    )
+
+
+def step(optimizer, total_steps: int, step_size: int, gamma: float = 0.1, warmup_steps: int = 0):
+    """Multiply the lr by ``gamma`` every ``step_size`` steps after an optional linear warm-up
+    (y-Aware MRI, seed 002: ×0.9 every 10 epochs)."""
+    import torch
+
+    if step_size <= 0 or not gamma > 0:
+        raise ValueError(f"need step_size > 0 and gamma > 0, got {step_size}, {gamma}")
+
+    def factor(i: int) -> float:
+        warm = min(1.0, (i + 1) / warmup_steps) if warmup_steps else 1.0
+        return warm * gamma ** (i // step_size)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 @hookimpl
 def register_optimizers(register):
     register("adamw", adamw)
+    register("adam", adam)
     register("sgd", sgd)
 
 
@@ -90,3 +142,5 @@ def register_optimizers(register):
 def register_schedules(register):
     register("cosine", cosine)
     register("constant", constant)
+    register("cosine_restarts", cosine_restarts)
+    register("step", step)
