@@ -28,7 +28,7 @@ def cat_points(parts: Sequence[PointSet]) -> PointSet:
     points = torch.cat([p.points for p in parts])
     weights = None if parts[0].weights is None else torch.cat([p.weights for p in parts])
     mask = None if parts[0].mask is None else torch.cat([p.mask for p in parts])
-    return PointSet(points, weights, mask)
+    return PointSet(points, weights, mask, parts[0].weight_normalization)
 
 
 def slice_points(points: PointSet, start: int, stop: int) -> PointSet:
@@ -36,6 +36,7 @@ def slice_points(points: PointSet, start: int, stop: int) -> PointSet:
         points.points[start:stop],
         None if points.weights is None else points.weights[start:stop],
         None if points.mask is None else points.mask[start:stop],
+        points.weight_normalization,
     )
 
 

@@ -12,7 +12,10 @@ from clipkit import hookspecs
 #: Built-in plugin modules, registered exactly like third-party plugins.
 BUILTIN_PLUGINS = (
     "clipkit.plugins.encoders",
+    "clipkit.plugins.conv_encoders",
+    "clipkit.plugins.bert_plugins",
     "clipkit.plugins.tokenizers",
+    "clipkit.plugins.clip_bpe",
     "clipkit.plugins.similarities",
     "clipkit.plugins.losses",
     "clipkit.plugins.optim",

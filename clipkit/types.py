@@ -20,22 +20,39 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+#: Values of :attr:`PointSet.weight_normalization`.
+WEIGHT_NORMALIZATIONS = ("sum", "count")
+
+
 @dataclass(frozen=True)
 class PointSet:
     """A batch of (optionally weighted, optionally masked) point sets.
 
     points:  [B, M, d]  the points; encoders L2-normalise each row unless documented otherwise.
-    weights: [B, M] > 0, or None for uniform weights 1/M (over the unmasked points).
+    weights: [B, M], or None for uniform weights 1/M (over the unmasked points).
     mask:    [B, M] bool, True = a real point (e.g. a non-padding token), or None for all real.
+    weight_normalization: how :meth:`normalized_weights` turns ``weights`` into the mixture weights
+      "sum":   w_i / Σ_j w_j (over the unmasked points); the weights must be > 0 (KME-CLIP's softplus
+               weights, METHODS §3).
+      "count": w_i / M_real, M_real = the number of unmasked points; the weights may have any sign
+               and need not sum to 1 (the WPSE authors' scaled-tanh weights, whose weighted mean
+               divides by the token count, METHODS §11).
+      Both give the uniform 1/M_real when ``weights`` is None.
     """
 
     points: Tensor
     weights: Tensor | None = None
     mask: Tensor | None = None
+    weight_normalization: str = "sum"
 
     def __post_init__(self) -> None:
         if self.points.dim() != 3:
             raise ValueError(f"PointSet.points must be [B, M, d], got shape {tuple(self.points.shape)}")
+        if self.weight_normalization not in WEIGHT_NORMALIZATIONS:
+            raise ValueError(
+                f"PointSet.weight_normalization must be one of {WEIGHT_NORMALIZATIONS}, "
+                f"got {self.weight_normalization!r}"
+            )
         batch_points = tuple(self.points.shape[:2])
         for name in ("weights", "mask"):
             value = getattr(self, name)
@@ -55,12 +72,22 @@ class PointSet:
         return self.points.shape[2]
 
     def normalized_weights(self) -> Tensor:
-        """[B, M] weights summing to 1 per row, zero on masked points (uniform when weights is None)."""
+        """[B, M] mixture weights, zero on masked points (uniform 1/M_real when weights is None).
+
+        "sum": w / Σw, summing to 1 per row; "count": w / M_real (see the class docstring).
+        """
         import torch
 
         weights = self.weights if self.weights is not None else torch.ones_like(self.points[..., 0])
         if self.mask is not None:
             weights = weights * self.mask.to(weights.dtype)
+        if self.weight_normalization == "count" and self.weights is not None:
+            count = (
+                self.mask.sum(dim=1, keepdim=True).to(weights.dtype)
+                if self.mask is not None
+                else torch.full_like(weights[:, :1], float(self.num_points))
+            )
+            return weights / count.clamp_min(1.0)
         return weights / weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
     def mean(self) -> Tensor:
@@ -73,6 +100,7 @@ class PointSet:
             self.points.float(),
             None if self.weights is None else self.weights.float(),
             self.mask,
+            self.weight_normalization,
         )
 
     def to(self, device: torch.device | str) -> PointSet:
@@ -80,6 +108,7 @@ class PointSet:
             self.points.to(device),
             None if self.weights is None else self.weights.to(device),
             None if self.mask is None else self.mask.to(device),
+            self.weight_normalization,
         )
 
 

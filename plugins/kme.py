@@ -45,6 +45,12 @@ def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:
     The masked weights are replaced by 1 *before* the log (a zero or garbage weight under the
     mask must not send a NaN gradient back through ``log``).
     """
+    if x.weight_normalization != "sum":
+        # log w needs w > 0; "count" weights (the WPSE authors' scaled tanh) may be negative.
+        raise ValueError(
+            f"kme needs positive weights (weight_normalization='sum', e.g. softplus weights); "
+            f"got weight_normalization={x.weight_normalization!r}"
+        )
     mask = x.mask
     if x.weights is not None:
         weights = x.weights.to(dtype)

@@ -216,10 +216,13 @@ def union_by_group(x: PointSet, groups: Tensor) -> PointSet:
     out_points = x.points.new_zeros(num_groups, slots, points, dim).index_put((groups, slot), x.points)
     out_weights = weights.new_zeros(num_groups, slots, points).index_put((groups, slot), weights)
     out_mask = real.new_zeros(num_groups, slots, points).index_put((groups, slot), real)
+    out_weights, out_mask = out_weights.reshape(num_groups, -1), out_mask.reshape(num_groups, -1)
+    if x.weight_normalization == "count":
+        # Signed weights (WPSE code): keep the mixture weights exactly, since re-dividing them by
+        # their sum (which may be ~0) is not the same mixture; "count" divides by the real points.
+        out_weights = out_weights * out_mask.sum(dim=1, keepdim=True).to(out_weights.dtype)
     return PointSet(
-        out_points.reshape(num_groups, slots * points, dim),
-        out_weights.reshape(num_groups, slots * points),
-        out_mask.reshape(num_groups, slots * points),
+        out_points.reshape(num_groups, slots * points, dim), out_weights, out_mask, x.weight_normalization
     )
 
 

@@ -26,6 +26,9 @@ def test_wheel_contents(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "clipkit/plugins/dot.py" in names and "clipkit/plugins/synthetic_shapes.py" in names
     assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
+    # CLIP's BPE vocabulary ships as package data with its (MIT) licence
+    assert "clipkit/plugins/clip_bpe_vocab/bpe_simple_vocab_16e6.txt.gz" in names
+    assert "clipkit/plugins/clip_bpe_vocab/LICENSE.openai-clip.txt" in names
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"clipkit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -266,6 +266,25 @@ def test_ensemble_logits_are_the_mean_of_prompt_logits(kernel):
     assert int(ensembled.mask.sum()) == 6 * 3 - 1
 
 
+def test_ensemble_of_signed_count_weights_is_the_mean_of_prompt_logits():
+    """The WPSE code's signed weights ("count": w / M_real) ensemble to the same mixture: the
+    union keeps each prompt's mixture weights instead of re-dividing by their (maybe ~0) sum."""
+    similarity = WPSESimilarity(embed_dim=5, num_features=24)
+    images = random_points(3, 4, 5, seed=1)
+    prompts = random_points(4, 3, 5, seed=2)
+    signed = torch.tensor([[0.9, -0.5, 0.1], [0.2, 0.3, -0.4], [-0.7, 0.6, 0.05], [0.5, -0.5, 0.2]])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    mask[2, 2] = False
+    prompts = PointSet(prompts.points.detach(), signed, mask, "count")
+    groups = torch.tensor([0, 1, 0, 0])
+    with torch.no_grad():
+        ensembled = similarity.ensemble(prompts, groups)
+        assert ensembled.weight_normalization == "count"
+        per_prompt = similarity(images, prompts, generator=seeded(4)).i2t
+        expected = torch.stack([per_prompt[:, groups == g].mean(dim=1) for g in range(2)], dim=1)
+        torch.testing.assert_close(similarity(images, ensembled, generator=seeded(4)).i2t, expected)
+
+
 def test_ensemble_rejects_empty_groups():
     with pytest.raises(ValueError, match="missing"):
         WPSESimilarity(embed_dim=8).ensemble(random_points(2, 1, 8), torch.tensor([0, 2]))
