@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -179,8 +180,18 @@ def recipes_command():
     for entry in reg.entries("recipe"):
         recipe = read_base(entry.name, reg)
         variants = ", ".join(sorted(recipe.get("variants") or {}))
-        table.add_row(entry.name, variants, str(recipe.get("description", "")).strip().split("\n")[0])
+        table.add_row(entry.name, variants, first_sentence(str(recipe.get("description", ""))))
     console().print(table)
+
+
+SENTENCE_END = re.compile(r"(?<!\bal)(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z])")
+
+
+def first_sentence(text: str) -> str:
+    """A description's first sentence ('et al.', 'e.g.' and 'i.e.' do not end one)."""
+    text = " ".join(text.split())
+    match = SENTENCE_END.search(text)
+    return text if match is None else text[: match.start() + 1]
 
 
 @fails_cleanly

@@ -56,7 +56,7 @@ def batchnorm_stats_preserved(module: nn.Module) -> Iterator[None]:
     saved = [
         (buffer, buffer.clone())
         for norm in module.modules()
-        if isinstance(norm, nn.modules.batchnorm._BatchNorm)
+        if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.track_running_stats
         for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
         if buffer is not None
     ]
@@ -68,7 +68,7 @@ def batchnorm_stats_preserved(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def _recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+def recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
     """(forward context, recompute context) for ``checkpoint(context_fn=...)``."""
     return contextlib.nullcontext(), batchnorm_stats_preserved(block)
 
@@ -82,7 +82,7 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, *, grad_checkpointing: bo
     use_checkpoint = grad_checkpointing and torch.is_grad_enabled()
     for block in blocks:
         if use_checkpoint and block.training:
-            x = checkpoint(block, x, use_reentrant=False, context_fn=partial(_recompute_contexts, block))
+            x = checkpoint(block, x, use_reentrant=False, context_fn=partial(recompute_contexts, block))
         else:
             x = block(x)
     return x

@@ -18,8 +18,7 @@ Shapes: B batch, C = in_channels, S = image_size (cubic volumes), F = backbone c
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -29,42 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 from clipkit.types import PointSet
 
+from .conv_common import recompute_contexts
 from .vit import check_choice, check_positive
 
 HEADS = ("mlp", "linear")
 
 #: Width of the "mlp" head's hidden layer (y-Aware code: Linear(F, 512) -> ReLU -> Linear(512, 128)).
 MLP_HIDDEN = 512
-
-
-@contextlib.contextmanager
-def running_stats_restored(module: nn.Module) -> Iterator[None]:
-    """Every BatchNorm running statistic (mean, var, counter) in ``module`` is restored on exit.
-
-    Used around the recomputation of a checkpointed layer in backward: the forward pass already
-    updated the running statistics once, and a second update would make a checkpointed model's
-    statistics differ from an uncheckpointed one. The recomputation must run the very same ops
-    as the forward pass (checkpoint checks that the same tensors are saved), so BatchNorm is left
-    to update its buffers and the update is undone afterwards; it sees the same batch, so its
-    activations are exactly the forward pass's.
-    """
-    saved = [
-        (buffer, buffer.clone())
-        for norm in module.modules()
-        if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.track_running_stats
-        for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-def recompute_restoring_stats(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
-    """``checkpoint``'s ``context_fn``: (context of the forward pass, context of the recomputation)."""
-    return contextlib.nullcontext(), running_stats_restored(module)
 
 
 class DenseLayer(nn.Module):
@@ -94,7 +64,7 @@ class DenseBlock(nn.Module):
 
     [B, C, s, s, s] -> [B, C + layers·growth, s, s, s]. With ``grad_checkpointing`` (only while
     training with grad enabled) each layer is recomputed in backward, its BatchNorm running
-    statistics updated once (see :func:`running_stats_restored`).
+    statistics updated once (see :func:`.conv_common.batchnorm_stats_preserved`).
     """
 
     def __init__(self, layers: int, in_channels: int, growth: int, bn_size: int) -> None:
@@ -109,7 +79,7 @@ class DenseBlock(nn.Module):
         features = [x]
         for layer in self.layers:
             if use_checkpoint:
-                contexts = partial(recompute_restoring_stats, layer)
+                contexts = partial(recompute_contexts, layer)
                 out = checkpoint(layer, *features, use_reentrant=False, context_fn=contexts)
             else:
                 out = layer(*features)

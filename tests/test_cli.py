@@ -88,3 +88,11 @@ def test_python_dash_m_entry_point():
         [sys.executable, "-m", "clipkit", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "quickstart" in result.stdout
+
+
+def test_recipe_listing_shows_the_first_sentence_of_descriptions():
+    from clipkit.cli import first_sentence
+
+    text = "CLIP (Radford et al. 2021): InfoNCE, e.g. with\n  ViTs. Second sentence. Third."
+    assert first_sentence(text) == "CLIP (Radford et al. 2021): InfoNCE, e.g. with ViTs."
+    assert first_sentence("no full stop") == "no full stop"
