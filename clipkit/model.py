@@ -78,6 +78,13 @@ class ContrastiveModel(nn.Module):
         return self.encode_image(batch["image"]), self.encode_text(batch["text"])
 
 
+def batched_input_size(recipe: dict) -> int:
+    """Side of the uint8 images the loader emits under ``data.augment: batched`` (S·8/7 default,
+    the usual 256 for 224, so random crops have room)."""
+    model, data = section(recipe, "model"), section(recipe, "data")
+    return int(data.batched_input_size) or round(model.image_size * 8 / 7)
+
+
 def build_transform(recipe: dict, *, train: bool) -> ImageTransform:
     """The recipe's preprocessing; without ``train`` only the deterministic eval path."""
     model, data = section(recipe, "model"), section(recipe, "data")

@@ -62,6 +62,11 @@ class DataConfig:
     # Meta-data names the loss reads -> the shard's meta-data keys they come from, e.g.
     # {age: extent} lets a recipe's kernel on `age` run on data whose column is `extent`.
     meta_keys: dict = field(default_factory=dict)
+    # Where training augmentation runs: "sample" = per image in the loader (PIL, every option),
+    # "batched" = loader emits uint8 images of `batched_input_size` (0: image_size·8/7) and the
+    # crop/flip/normalise run as one tensor op per batch on the training device (no colour ops).
+    augment: str = "sample"
+    batched_input_size: int = 0
 
 
 @dataclass
@@ -108,6 +113,7 @@ TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
 PRECISIONS = ("no", "bf16", "fp16")
 PAIRS = ("image_text", "two_view")
 TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
+AUGMENT_MODES = ("sample", "batched")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -350,11 +356,23 @@ def _check_values(recipe: dict) -> list[str]:
         errors.append(f"train.precision: must be one of {', '.join(PRECISIONS)}")
     if isinstance(model, dict) and model.get("pair", "image_text") not in PAIRS:
         errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
+    if isinstance(data, dict):
+        errors += _check_augment(data)
     for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
         value = get_path(recipe, path)
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             errors.append(f"{path}: must be > 0, got {value}")
     return errors
+
+
+def _check_augment(data: dict) -> list[str]:
+    mode = data.get("augment", "sample")
+    if mode not in AUGMENT_MODES:
+        return [f"data.augment: must be one of {', '.join(AUGMENT_MODES)}, got {mode!r}"]
+    if mode == "batched" and (data.get("color_jitter") or data.get("grayscale")):
+        return ["data.augment: batched augmentation does crop, flip and normalise only; "
+                "color_jitter/grayscale need augment: sample"]
+    return []
 
 
 def _unknown_key(path: str, key: str, known, context: str = "") -> str:

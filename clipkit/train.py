@@ -19,11 +19,12 @@ import torch
 from clipkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from clipkit.data import BatchStream
 from clipkit.errors import ClipkitError
-from clipkit.model import build_model, build_slot, build_transform
+from clipkit.model import batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import save_recipe, section
 from clipkit.registry import Registry
 from clipkit.runtime import Runtime, rng_state, set_rng_state
 from clipkit.shard import ensure_shards, read_manifest
+from clipkit.transforms import ResizedUInt8
 from clipkit.types import Logits, LossContext
 
 
@@ -50,6 +51,7 @@ class Trainer:
     stream: BatchStream
     run: RunInfo
     start_step: int = 0
+    augment: Any = None  # BatchedDeviceAugment under data.augment: batched
 
 
 def default_shard_dir(source: str) -> Path:
@@ -77,25 +79,52 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     schedule = build_slot(
         registry, "schedule", recipe["schedule"], "schedule", optimizer=optimizer, total_steps=train.steps
     )
+    two_view, batched = model.pair == "two_view", data.augment == "batched"
+    transform = ResizedUInt8(batched_input_size(recipe)) if batched else build_transform(recipe, train=True)
     stream = BatchStream(
         shards,
         batch_size=data.batch_size,
-        transform=build_transform(recipe, train=True),
+        transform=transform,
         tokenizer=model.tokenizer,
         seed=int(recipe.get("seed", 0)),
         num_workers=data.num_workers,
         shuffle_buffer=data.shuffle_buffer,
-        views=2 if model.pair == "two_view" else 1,
+        views=2 if two_view and not batched else 1,  # batched: both views are made on the device
         meta_keys=dict(data.meta_keys),
     )
     run = RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main)
     trainer = Trainer(recipe, registry, runtime, model, loss, optimizer, schedule, stream, run)
+    if batched:
+        trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)
     if resume:
         restore(trainer)
     if isinstance(loss, torch.nn.Module):
         loss.to(runtime.device)
     trainer.model, trainer.optimizer = runtime.prepare(model, optimizer, None)[:2]
     return trainer
+
+
+class BatchedDeviceAugment:
+    """``data.augment: batched``: the loader's uint8 images [B, 3, S0, S0] become normalised
+    random-resized crops [B, 3, S, S] in one tensor op on the training device (and, for two-view
+    recipes, a second independent view ``image2``). Crop boxes come from a CPU generator seeded by
+    (seed, step, rank), so a resumed run draws the same boxes and ranks draw different ones."""
+
+    def __init__(self, transform, runtime: Runtime, two_view: bool) -> None:
+        from clipkit.batched_augment import BatchedAugment
+
+        self.augment = BatchedAugment.from_image_transform(transform).to(runtime.device)
+        self.runtime, self.two_view = runtime, two_view
+
+    def __call__(self, batch: dict, step: int) -> dict:
+        generator = torch.Generator()
+        rank = self.runtime.accelerator.process_index
+        generator.manual_seed((self.runtime.seed * 1_000_003 + step) * 1_009 + rank)
+        raw = batch["image"]
+        batch = {**batch, "image": self.augment(raw, generator)}
+        if self.two_view:
+            batch["image2"] = self.augment(raw, generator)
+        return batch
 
 
 def restore(trainer: Trainer) -> None:
@@ -165,6 +194,8 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     model.train()
     for step in range(trainer.start_step, train.steps):
         batch = rt.to_device(next(batches))
+        if trainer.augment is not None:
+            batch = trainer.augment(batch, step)
         with rt.autocast():  # only the towers run in reduced precision
             local_a, local_b = model(batch)
         a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32

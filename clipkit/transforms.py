@@ -86,6 +86,20 @@ class ImageTransform:
         return torch.tensor(self.mean).view(3, 1, 1), torch.tensor(self.std).view(3, 1, 1)
 
 
+@dataclass(frozen=True)
+class ResizedUInt8:
+    """PIL image -> uint8 tensor [3, size, size] (shorter side resized, centre crop), for
+    ``data.augment: batched``, where the random crop, flip and normalisation run on the device."""
+
+    size: int
+
+    def __call__(self, image, rng: random.Random) -> torch.Tensor:
+        import numpy as np
+
+        image = resize_center_crop(image.convert("RGB"), self.size)
+        return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+
+
 def resize_center_crop(image, size: int):
     """Resize so the shorter side is ``size`` (bicubic), then crop the central size × size."""
     width, height = image.size

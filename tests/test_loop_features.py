@@ -181,3 +181,52 @@ def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path):
         assert torch.equal(tensor, got["loss"][key]), key
     for key, tensor in load_checkpoint(last)["model"].items():
         assert torch.equal(tensor, got["model"][key]), key
+
+
+# ----------------------------------------------------------------------------- batched augmentation
+
+
+def test_batched_augmentation_trains_two_views_and_resumes_exactly(shards, tmp_path):
+    """data.augment=batched: the loader emits uint8 images, the crops happen per batch in the
+    loop; both views differ, and a resumed run draws the same crops (weights equal)."""
+    probe = RecordBatches()
+    overrides = data_overrides(shards) + [
+        "data.augment=batched",
+        "data.color_jitter=0",
+        "data.grayscale=0",
+        "model.image_encoder=vit_tiny",
+        "loss=probe",
+        "train.steps=1",
+        "train.export=false",
+    ]
+    api.train("yaware@tiny", overrides, run_dir=tmp_path / "probe", registry=registry(probe))
+    assert not torch.allclose(probe.calls[0]["a"], probe.calls[0]["b"])
+
+    overrides = data_overrides(shards) + [
+        "data.augment=batched",
+        "data.color_jitter=0",
+        "data.grayscale=0",
+        "model.image_encoder=vit_tiny",
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=2",
+        "train.export=false",
+    ]
+    full = tmp_path / "full"
+    api.train("yaware@tiny", overrides, run_dir=full, registry=registry())
+    first, last = list_checkpoints(full)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / first.name).write_bytes(first.read_bytes())
+    (resumed / "recipe.yaml").write_text((full / "recipe.yaml").read_text())
+    api.train("yaware@tiny", run_dir=resumed, resume=True, registry=registry())
+    got = load_checkpoint(list_checkpoints(resumed)[-1])["model"]
+    for key, tensor in load_checkpoint(last)["model"].items():
+        assert torch.equal(tensor, got[key]), key
+
+
+def test_batched_augmentation_refuses_colour_operations():
+    from clipkit.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="color_jitter/grayscale need augment: sample"):
+        api.resolve("yaware", ["data.augment=batched"], registry())
