@@ -20,6 +20,7 @@ BUILTIN_PLUGINS = (
     "clipkit.plugins.losses",
     "clipkit.plugins.optim",
     "clipkit.plugins.evals",
+    "clipkit.plugins.file_sources",
     "clipkit.plugins.sources",
     "clipkit.plugins.loggers",
     "clipkit.plugins.recipes",

@@ -66,6 +66,9 @@ def write_shards(
                 count = index + 1
                 if progress is not None:
                     progress(1)
+        if hasattr(samples, "info"):
+            # Read after the pass: sources count what they skipped (by reason) while iterating.
+            info = {**(info or {}), **samples.info()}
         if count == 0:
             raise DataError(f"source {source!r} yielded no samples; nothing written to {out_dir}")
         manifest = build_manifest(building, count, sorted(fields), source, info or {})
