@@ -21,6 +21,7 @@ and row instead. Torch is never imported here.
 
 from __future__ import annotations
 
+import abc
 import csv
 import io
 import json
@@ -168,7 +169,7 @@ def check_utf8(text: str, where: str) -> None:
         raise BadRow("bad_encoding", f"{where}: text is not valid UTF-8") from None
 
 
-class FileSource:
+class FileSource(abc.ABC):
     """Base of the file sources: iteration that skips-and-counts (or raises on) bad rows.
 
     Subclasses implement ``candidates()`` yielding ``(where, build)``: ``where`` names the file and
@@ -185,8 +186,9 @@ class FileSource:
         self.complete = False
         self._length: int | None = None
 
+    @abc.abstractmethod
     def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
-        raise NotImplementedError
+        """Every row or file of the source as ``(where, build)``, in a stable order."""
 
     def __iter__(self) -> Iterator[Sample]:
         self.skipped, self.yielded, self.complete = {}, 0, False
