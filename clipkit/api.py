@@ -41,23 +41,49 @@ def default_run_dir(recipe: dict) -> Path:
     return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+#: Source options that change how fast (or how patiently) samples arrive, not what they are, so
+#: an interrupted `clipkit shard` may be resumed with other values (e.g. a longer timeout).
+RESUME_MAY_CHANGE = frozenset(
+    {"workers", "timeout", "retries", "backoff", "retry_after_cap", "per_host", "min_interval", "user_agent"}
+)
+
+
 def shard(
     source: str,
     out: Path,
     *,
     samples_per_shard: int = 1000,
+    max_shard_bytes: int | str | None = None,
     options: dict | None = None,
     registry: Registry | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict:
-    """Write ``source`` as WebDataset shards + manifest.json in ``out``; returns the manifest."""
-    from clipkit.shard import open_source, write_shards
+    """Write ``source`` as WebDataset shards + manifest.json in ``out``; returns the manifest.
+
+    An interrupted run leaves ``out.partial``; calling again with the same arguments continues it.
+    """
+    from clipkit.shard import open_source
+    from clipkit.shard_writer import write_shards
 
     registry = registry or default_registry()
     opened = open_source(source, options, pm=registry.pm)
     return write_shards(
-        opened, out, source=source, info=opened.info(), samples_per_shard=samples_per_shard, progress=progress
+        opened,
+        out,
+        source=source,
+        info=opened.info(),
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        settings={key: value for key, value in (options or {}).items() if key not in RESUME_MAY_CHANGE},
+        progress=progress,
     )
+
+
+def verify(directory: Path) -> dict:
+    """Check a shard set against its manifest: ``{"n", "shards", "problems"}`` (empty = intact)."""
+    from clipkit.shard import verify_shards
+
+    return verify_shards(directory)
 
 
 def train(

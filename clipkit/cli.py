@@ -50,25 +50,54 @@ def console():
 
 @fails_cleanly
 def shard_command(
-    source: Annotated[str, typer.Argument(help="Source URI or path, e.g. synthetic://shapes?n=4096")],
-    out: Annotated[Path, typer.Argument(help="Output directory for shard-*.tar + manifest.json")],
-    samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard")] = 1000,
+    source: Annotated[str, typer.Argument(help="Source URI or path, e.g. captions.jsonl (or, with --verify, "
+                                                "the shard directory)")],
+    out: Annotated[Path, typer.Argument(help="Output directory for shard-*.tar + manifest.json")] = None,
+    samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard (at most)")] = 1000,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Also close a shard once it holds this many bytes, e.g. 500MB, 1GiB")
+    ] = None,
     option: Annotated[list[str], typer.Option("--option", "-o", help="Source option key=value")] = None,
+    verify: Annotated[bool, typer.Option(help="Check a shard directory against its manifest")] = False,
 ):
-    """Turn a data source into WebDataset shards with a manifest (global index per sample)."""
+    """Turn a data source into WebDataset shards with a manifest (global index per sample).
+
+    An interrupted run (even kill -9) leaves OUT.partial; rerun the same command to continue it.
+    """
     from clipkit import api
 
+    if verify:
+        verify_command(out or Path(source))
+        return
+    if out is None:
+        raise typer.BadParameter("missing OUT (the directory to write)")
     options = dict(parse_pairs(option or []))
     with step_progress("sharding", total=None) as report:
         manifest = api.shard(
             source,
             out,
             samples_per_shard=samples_per_shard,
+            max_shard_bytes=max_shard_size,
             options=options,
             registry=registry(),
             progress=report,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
+    skipped = (manifest.get("info") or {}).get("skipped") or {}
+    if skipped:
+        reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
+        typer.echo(f"skipped {sum(skipped.values())} bad row(s): {reasons}")
+
+
+def verify_command(directory: Path) -> None:
+    from clipkit import api
+
+    report = api.verify(directory)
+    for problem in report["problems"]:
+        typer.secho(f"  {problem}", fg="red", err=True)
+    if report["problems"]:
+        raise ClipkitError(f"{directory}: {len(report['problems'])} problem(s); the shard set is not intact")
+    typer.echo(f"{directory}: {report['n']} samples in {report['shards']} shard(s) match the manifest")
 
 
 @fails_cleanly

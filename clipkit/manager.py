@@ -21,6 +21,7 @@ BUILTIN_PLUGINS = (
     "clipkit.plugins.optim",
     "clipkit.plugins.evals",
     "clipkit.plugins.file_sources",
+    "clipkit.plugins.dataset_sources",
     "clipkit.plugins.sources",
     "clipkit.plugins.loggers",
     "clipkit.plugins.recipes",

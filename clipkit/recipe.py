@@ -54,6 +54,7 @@ class DataConfig:
     batch_size: int = 128
     num_workers: int = 0
     shuffle_buffer: int = 1000
+    resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling
     crop_scale: tuple = (1.0, 1.0)  # random-resized-crop area range for training images
     crop_ratio: tuple = (3 / 4, 4 / 3)  # random-resized-crop aspect-ratio range
     hflip: bool = False  # random horizontal flips (off: captions may say left/right)

@@ -1,23 +1,21 @@
-"""`clipkit shard`: a data source -> WebDataset tar shards + ``manifest.json``.
+"""Shard sets: opening sources, the manifest, reading shards back, checking a set.
 
-Each sample is stored under key = its global index (zero-padded) with fields
-``<image_ext>`` (the encoded image bytes as given), ``txt`` (the first caption) and
-``json`` (``{"index", "key", "captions", "meta"}``). The whole shard set is built in a
-temporary directory and renamed into place when complete, so an interrupted run never
-leaves a half-written set that looks finished.
+A shard set is a directory of WebDataset tars ``shard-NNNNNN.tar`` plus ``manifest.json``;
+:mod:`clipkit.shard_writer` writes them (resumably, atomically). Each sample is stored under
+key = its global index (zero-padded) with fields ``<image_ext>`` (the image bytes as given),
+``txt`` (the first caption, if any) and ``json`` (``{"index", "key", "captions", "meta"}``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from clipkit import __version__
 from clipkit.errors import ClipkitError, DataError
-from clipkit.io import atomic_directory
 from clipkit.types import Sample
 
 MANIFEST = "manifest.json"
@@ -39,83 +37,18 @@ def open_source(uri: str, options: dict[str, Any] | None = None, *, pm=None):
     return source
 
 
-def write_shards(
-    samples: Iterable[Sample],
-    out_dir: Path | str,
-    *,
-    source: str,
-    info: dict[str, Any] | None = None,
-    samples_per_shard: int = 1000,
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Write ``samples`` to ``out_dir`` atomically; returns the manifest."""
-    import webdataset as wds
-
-    if samples_per_shard <= 0:
-        raise ClipkitError(f"samples_per_shard must be > 0, got {samples_per_shard}")
-    out_dir = Path(out_dir)
-    fields: set[str] = set()
-    count = 0
-    with atomic_directory(out_dir) as building:
-        pattern = str(building / SHARD_PATTERN)
-        with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as writer:
-            for index, sample in enumerate(samples):
-                record = encode_sample(sample, index)
-                fields.update(k for k in record if not k.startswith("__"))
-                writer.write(record)
-                count = index + 1
-                if progress is not None:
-                    progress(1)
-        if hasattr(samples, "info"):
-            # Read after the pass: sources count what they skipped (by reason) while iterating.
-            info = {**(info or {}), **samples.info()}
-        if count == 0:
-            raise DataError(f"source {source!r} yielded no samples; nothing written to {out_dir}")
-        manifest = build_manifest(building, count, sorted(fields), source, info or {})
-        (building / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    return manifest
-
-
-def encode_sample(sample: Sample, index: int) -> dict[str, Any]:
-    if not sample.captions:
-        raise DataError(f"sample {sample.key!r} has no caption")
-    return {
-        "__key__": f"{index:09d}",
-        sample.image_ext: sample.image,
-        "txt": sample.captions[0],
-        "json": {
-            "index": index,
-            "key": sample.key,
-            "captions": list(sample.captions),
-            "meta": dict(sample.meta),
-        },
-    }
-
-
-def build_manifest(directory: Path, n: int, fields: list[str], source: str, info: dict) -> dict[str, Any]:
-    shards = []
-    for path in sorted(directory.glob("shard-*.tar")):
-        shards.append({"name": path.name, "count": count_members(path), "sha256": sha256(path)})
-    total = sum(s["count"] for s in shards)
-    if total != n:
-        raise DataError(f"{directory}: wrote {n} samples but the shards hold {total}")
+def build_manifest(shards: list[dict[str, Any]], fields: list[str], source: str, info: dict) -> dict:
+    """The manifest of a finished set: ``n``, per-shard name/count/sha256/first_index, fields, source,
+    the source's ``info()`` (labels, skipped counts by reason) and the clipkit version."""
     return {
         "format": "clipkit-shards/1",
-        "n": n,
+        "n": sum(shard["count"] for shard in shards),
         "shards": shards,
         "fields": fields,
         "source": source,
         "info": info,
         "clipkit_version": __version__,
     }
-
-
-def count_members(path: Path) -> int:
-    import tarfile
-
-    with tarfile.open(path) as tar:
-        keys = {member.name.split(".", 1)[0] for member in tar.getmembers() if member.isfile()}
-    return len(keys)
 
 
 def sha256(path: Path) -> str:
@@ -178,7 +111,8 @@ def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
         image=record[image_ext],
         image_ext=image_ext,
         captions=tuple(meta.get("captions") or ()),
-        meta={"index": meta.get("index"), **(meta.get("meta") or {})},
+        # The global index wins over a source column named "index" (pandas exports have one).
+        meta={**(meta.get("meta") or {}), "index": meta.get("index")},
     )
 
 
@@ -196,6 +130,83 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
         return directory
     if not source:
         raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
+    from clipkit.shard_writer import write_shards
+
     opened = open_source(source, pm=pm)
     write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
     return directory
+
+
+def verify_shards(directory: Path | str) -> dict[str, Any]:
+    """Check a shard set against its manifest; returns ``{"n", "shards", "problems"}``.
+
+    Problems found: a missing, unlisted or altered shard (sha256), a per-shard sample count
+    that differs from the manifest, a sample whose key and ``json`` index disagree or lacks an
+    image, and global indices that are not exactly [0, n) once each. Reads every tar but
+    decodes no image (the checksums cover the bytes).
+    """
+    import tarfile
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    problems: list[str] = []
+    listed = {shard["name"] for shard in manifest["shards"]}
+    for path in sorted(directory.glob("*.tar")):
+        if path.name not in listed:
+            problems.append(f"{path.name}: a tar file the manifest does not list")
+    seen: dict[int, str] = {}
+    for shard in manifest["shards"]:
+        path = directory / shard["name"]
+        if not path.is_file():
+            problems.append(f"{shard['name']}: missing")
+            continue
+        if sha256(path) != shard.get("sha256"):
+            problems.append(f"{shard['name']}: sha256 differs from the manifest (the file changed)")
+        try:
+            with tarfile.open(path) as tar:
+                records = shard_records(tar)
+        except (tarfile.TarError, OSError) as error:
+            problems.append(f"{shard['name']}: unreadable tar ({error})")
+            continue
+        if len(records) != shard.get("count"):
+            expected = shard.get("count")
+            problems.append(f"{shard['name']}: {len(records)} samples, the manifest says {expected}")
+        for key, record in records.items():
+            problems.extend(check_record(shard["name"], key, record, seen))
+    n = int(manifest["n"])
+    missing = [index for index in range(n) if index not in seen]
+    if missing:
+        problems.append(f"{len(missing)} global indices missing, e.g. {missing[:5]}")
+    outside = sorted(index for index in seen if not 0 <= index < n)
+    if outside:
+        problems.append(f"{len(outside)} global indices outside [0, {n}), e.g. {outside[:5]}")
+    return {"n": n, "shards": len(manifest["shards"]), "problems": problems}
+
+
+def shard_records(tar) -> dict[str, dict[str, bytes]]:
+    """{key: {field: bytes}} of one tar; only ``json`` bodies are read (images are skipped)."""
+    records: dict[str, dict[str, bytes]] = {}
+    for member in tar:
+        if not member.isfile():
+            continue
+        key, _, field = member.name.partition(".")
+        body = tar.extractfile(member).read() if field == "json" else b""
+        records.setdefault(key, {})[field] = body
+    return records
+
+
+def check_record(shard: str, key: str, record: dict[str, bytes], seen: dict[int, str]) -> list[str]:
+    where = f"{shard}: sample {key!r}"
+    if not any(field in record for field in ("png", "jpg", "jpeg", "webp", "bmp")):
+        return [f"{where}: no image field (has {sorted(record)})"]
+    try:
+        index = int(json.loads(record["json"])["index"])
+    except (KeyError, TypeError, ValueError) as error:
+        return [f"{where}: no readable json index ({error})"]
+    problems = []
+    if key != f"{index:09d}":
+        problems.append(f"{where}: key does not match its json index {index}")
+    if index in seen:
+        problems.append(f"{where}: global index {index} also in {seen[index]}")
+    seen[index] = shard
+    return problems

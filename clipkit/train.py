@@ -89,6 +89,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         seed=int(recipe.get("seed", 0)),
         num_workers=data.num_workers,
         shuffle_buffer=data.shuffle_buffer,
+        resampled=data.resampled,
         views=2 if two_view and not batched else 1,  # batched: both views are made on the device
         meta_keys=dict(data.meta_keys),
     )
