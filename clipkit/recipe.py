@@ -201,6 +201,8 @@ def apply_override(config, key: str, value: Any) -> None:
         if current is None or current.get("name") != value["name"]:
             OmegaConf.update(config, key, value, merge=False)
             return
+    if value is None and isinstance(OmegaConf.select(config, key, default=None), str):
+        value = ""  # `data.source=` clears a text setting (YAML would read it as null)
     OmegaConf.update(config, key, value, merge=True, force_add=True)
 
 

@@ -97,3 +97,9 @@ def test_recipe_from_a_yaml_file(registry, tmp_path):
 def test_bad_override_syntax(registry):
     with pytest.raises(RecipeError, match="key=value"):
         load_recipe("clip", ["train.steps"], registry=registry)
+
+
+def test_an_empty_value_clears_a_text_setting(registry):
+    recipe = load_recipe("clip@tiny", ["data.shards=my/shards", "data.source="], registry=registry)
+    assert recipe["data"]["source"] == "" and recipe["data"]["shards"] == "my/shards"
+    assert validate(recipe, registry) == []
