@@ -13,8 +13,9 @@ from PIL import Image
 from clipkit import api
 from clipkit.errors import DataError
 from clipkit.plugins import dataset_sources
-from clipkit.plugins.dataset_sources import IdxSource, Img2DatasetSource, WebDatasetSource
+from clipkit.plugins.dataset_sources import Img2DatasetSource, WebDatasetSource
 from clipkit.plugins.file_sources import TableSource
+from clipkit.plugins.idx_source import IdxSource
 from clipkit.plugins.synthetic_shapes import SyntheticShapes, zero_shot_labels
 from clipkit.shard import ShardSource, open_source
 
