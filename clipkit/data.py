@@ -19,7 +19,6 @@ A resumed run skips the batches it already consumed before decoding them.
 
 from __future__ import annotations
 
-import io
 import itertools
 import random
 from collections.abc import Iterator
@@ -32,20 +31,9 @@ import torch.utils.data
 
 from clipkit.errors import DataError
 from clipkit.shard import decode_record, read_manifest
-from clipkit.transforms import ImageTransform
+from clipkit.transforms import ImageTransform, decode_transformed
 
-__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform", "decode_image"]
-
-
-def decode_image(data: bytes, where: str):
-    from PIL import Image
-
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except Exception as error:  # PIL raises many types for corrupt data
-        raise DataError(f"{where}: cannot decode image ({error})") from error
-    return image
+__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform"]
 
 
 @dataclass(frozen=True)
@@ -142,16 +130,19 @@ class EpochDataset(torch.utils.data.IterableDataset):
         text [B,L] token ids, index [B] global indices, meta {name: list}."""
         samples = [decode_record(record, "shards") for record in records]
         rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
-        images = [decode_image(s.image, f"sample {s.meta['index']} ({s.key})") for s in samples]
+        # One decode per sample for all its views; each sample's rng draws view 1, view 2, caption.
+        transforms = [self.transform] * self.views
+        views = [
+            decode_transformed(s.image, transforms, rng, f"sample {s.meta['index']} ({s.key})")
+            for s, rng in zip(samples, rngs, strict=True)
+        ]
         batch: dict[str, Any] = {
-            "image": torch.stack([self.transform(im, rng) for im, rng in zip(images, rngs, strict=True)]),
+            "image": torch.stack([v[0] for v in views]),
             "index": torch.tensor([int(s.meta["index"]) for s in samples], dtype=torch.long),
             "meta": batch_meta(samples, self.meta_keys),
         }
         if self.views == 2:
-            batch["image2"] = torch.stack(
-                [self.transform(im, rng) for im, rng in zip(images, rngs, strict=True)]
-            )
+            batch["image2"] = torch.stack([v[1] for v in views])
         if self.tokenizer is not None:
             for sample in samples:
                 if not sample.captions:

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from clipkit.data import decode_image
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import ContrastiveModel, build_slot
 from clipkit.registry import Registry
 from clipkit.shard import open_source
+from clipkit.transforms import decode_transformed
 from clipkit.types import PointSet, Sample
 
 
@@ -53,7 +53,9 @@ def encode_images(model: ContrastiveModel, samples: Sequence[Sample], batch_size
     rng = random.Random(0)  # the eval transform is deterministic; the rng is unused
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        images = torch.stack([model.transform(decode_image(s.image, f"sample {s.key}"), rng) for s in chunk])
+        images = torch.stack(
+            [decode_transformed(s.image, model.transform, rng, f"sample {s.key}")[0] for s in chunk]
+        )
         parts.append(model.encode_image(images).float())
     return cat_points(parts)
 
