@@ -58,6 +58,9 @@ def shard_command(
         str, typer.Option(help="Also close a shard once it holds this many bytes, e.g. 500MB, 1GiB")
     ] = None,
     option: Annotated[list[str], typer.Option("--option", "-o", help="Source option key=value")] = None,
+    strict: Annotated[
+        bool, typer.Option(help="Stop at the first bad row, naming it, instead of skipping and counting it")
+    ] = False,
     verify: Annotated[bool, typer.Option(help="Check a shard directory against its manifest")] = False,
 ):
     """Turn a data source into WebDataset shards with a manifest (global index per sample).
@@ -72,6 +75,8 @@ def shard_command(
     if out is None:
         raise typer.BadParameter("missing OUT (the directory to write)")
     options = dict(parse_pairs(option or []))
+    if strict:
+        options["strict"] = "true"
     with step_progress("sharding", total=None) as report:
         manifest = api.shard(
             source,

@@ -83,6 +83,25 @@ def test_shard_command_writes_a_manifest(app, tmp_path):
     assert bad.exit_code == 2 and "no data source accepts" in bad.output
 
 
+def test_shard_command_reports_skips_and_strict_names_the_row(app, tmp_path):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    (tmp_path / "a.png").write_bytes(buffer.getvalue())
+    rows = [{"image": "a.png", "caption": "ok"}, {"image": "gone.png", "caption": "x"}, {"image": "a.png"}]
+    table = tmp_path / "t.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = runner.invoke(app, ["shard", str(table), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "wrote 1 samples" in result.output
+    assert "skipped 2 bad row(s): empty_caption 1, missing_image 1" in result.output
+    strict = runner.invoke(app, ["shard", str(table), str(tmp_path / "strict"), "--strict"])
+    assert strict.exit_code == 2 and f"{table}: line 2: missing_image" in strict.output
+
+
 def test_python_dash_m_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "clipkit", "--help"], capture_output=True, text=True, timeout=60
