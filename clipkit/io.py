@@ -39,17 +39,22 @@ def atomic_directory(path: Path | str) -> Iterator[Path]:
     temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield temporary
-        if path.exists():
-            # Swap: move the old one aside first so a crash between the renames loses nothing.
-            aside = path.with_name(f".{path.name}.old")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(path, aside)
-            os.replace(temporary, path)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(temporary, path)
+        replace_directory(temporary, path)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def replace_directory(finished: Path, target: Path) -> None:
+    """Rename ``finished`` to ``target``; an existing ``target`` is moved aside first, so a crash
+    between the renames loses neither (the old one survives as ``.NAME.old``)."""
+    if target.exists():
+        aside = target.with_name(f".{target.name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, aside)
+        os.replace(finished, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(finished, target)
 
 
 def _fsync(path: str) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
-from clipkit.io import atomic_write_text
+from clipkit.io import atomic_write_text, replace_directory
 from clipkit.shard import MANIFEST, SHARD_PATTERN, build_manifest, sha256
 from clipkit.types import Sample
 
@@ -298,16 +298,3 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
-
-
-def replace_directory(finished: Path, target: Path) -> None:
-    """Rename ``finished`` to ``target``; an existing ``target`` is moved aside first, so a crash
-    between the renames loses neither (the old set survives as ``.NAME.old``)."""
-    if target.exists():
-        aside = target.with_name(f".{target.name}.old")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(target, aside)
-        os.replace(finished, target)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(finished, target)

@@ -60,16 +60,14 @@ from clipkit.hookspecs import hookimpl
 from clipkit.types import Sample
 
 from .file_sources import (
-    DEFAULT_MAX_CAPTION_CHARS,
     IMAGE_SUFFIXES,
     MANIFEST,
     BadRow,
     FileSource,
     check_meta,
     clean_captions,
+    common_options,
     is_scalar,
-    positive_int,
-    truthy,
     verify_image_bytes,
 )
 
@@ -117,15 +115,6 @@ def open_dataset_source(uri: str, options: dict[str, Any] | None = None):
     if not query and is_img2dataset_folder(Path(uri)):
         return Img2DatasetSource(uri, **common_options(options))
     return None
-
-
-def common_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`FileSource` settings every source here takes (as the file sources read them)."""
-    return {
-        "strict": truthy(options.get("strict", False)),
-        "workers": positive_int(options, "workers", 1),
-        "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
-    }
 
 
 def fail(reason: str, detail: str) -> Sample:

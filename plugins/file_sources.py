@@ -51,6 +51,7 @@ from .source_base import (  # noqa: F401
     check_meta,
     check_utf8,
     clean_captions,
+    common_options,
     is_scalar,
     ordered_map,
     positive_int,
@@ -77,11 +78,7 @@ def open_source(uri, options):
 def open_file_source(uri: str, options: dict[str, Any] | None = None):
     """The file source for ``uri`` (see module docs), or None when ``uri`` is not a local-file URI."""
     options = dict(options or {})
-    common = {
-        "strict": truthy(options.get("strict", False)),
-        "workers": positive_int(options, "workers", 1),
-        "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
-    }
+    common = common_options(options)
     if uri.startswith("folder:"):
         return CaptionFolderSource(uri[len("folder:") :], **common)
     if uri.startswith("classes:"):
@@ -115,22 +112,20 @@ def image_files(directory: Path, *, recursive: bool = True) -> list[Path]:
     )
 
 
-class CaptionFolderSource(FileSource):
+class FolderSource(FileSource):
+    """A :class:`FileSource` rooted at a directory (checked when opened)."""
+
+    def __init__(self, path: Path | str, **settings: Any) -> None:
+        """``settings``: those of :class:`FileSource` (strict, workers, max_caption_chars)."""
+        super().__init__(path, **settings)
+        if not self.path.is_dir():
+            raise DataError(f"{self.path}: not a directory")
+
+
+class CaptionFolderSource(FolderSource):
     """Images under a directory with same-stem ``.txt`` captions (one per line) and ``.json`` meta."""
 
     name = "folder"
-
-    def __init__(
-        self,
-        path: Path | str,
-        *,
-        strict: bool = False,
-        workers: int = 1,
-        max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
-    ) -> None:
-        super().__init__(path, strict=strict, workers=workers, max_caption_chars=max_caption_chars)
-        if not self.path.is_dir():
-            raise DataError(f"{self.path}: not a directory")
 
     def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
         for image_path in image_files(self.path):
@@ -173,22 +168,13 @@ def class_name(folder: str) -> str:
     return folder.replace("_", " ")
 
 
-class ClassFolderSource(FileSource):
+class ClassFolderSource(FolderSource):
     """``PATH/<class>/<images>``: a labelled evaluation set; classes are the sorted folder names."""
 
     name = "classes"
 
-    def __init__(
-        self,
-        path: Path | str,
-        *,
-        strict: bool = False,
-        workers: int = 1,
-        max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
-    ) -> None:
-        super().__init__(path, strict=strict, workers=workers, max_caption_chars=max_caption_chars)
-        if not self.path.is_dir():
-            raise DataError(f"{self.path}: not a directory")
+    def __init__(self, path: Path | str, **settings: Any) -> None:
+        super().__init__(path, **settings)
         folders = (p.name for p in self.path.iterdir() if p.is_dir() and not p.name.startswith("."))
         self.folders = sorted(folders)
         if not self.folders:

@@ -60,6 +60,15 @@ def positive_int(options: dict[str, Any], key: str, default: int) -> int:
     return number
 
 
+def common_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`FileSource` settings every source here takes (as the file sources read them)."""
+    return {
+        "strict": truthy(options.get("strict", False)),
+        "workers": positive_int(options, "workers", 1),
+        "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
+    }
+
+
 class BadRow(Exception):
     """One row cannot become a sample; ``reason`` is the key it is counted under in ``skipped``."""
 
