@@ -18,8 +18,6 @@ from clipkit.plugins.file_sources import (
 from clipkit.plugins.synthetic_shapes import SyntheticShapes, zero_shot_labels
 from clipkit.shard import ShardSource, open_source, read_manifest
 
-SHARED = Path("/work/shared/data")
-
 
 def png(colour: tuple[int, int, int], size: int = 4) -> bytes:
     buffer = io.BytesIO()
@@ -261,10 +259,8 @@ def test_class_folders(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["coco-mini-cc-by", "openclipart"])
-def test_shared_datasets_shard_completely(name, tmp_path):
-    path = SHARED / name / "captions.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not available")
+def test_shared_datasets_shard_completely(name, tmp_path, shared_data):
+    path = shared_data / name / "captions.jsonl"
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     manifest = api.shard(str(path), tmp_path / name, samples_per_shard=5000)
     assert manifest["n"] == len(lines)
