@@ -154,7 +154,7 @@ class TableSource(FileSource):
 
     def __len__(self) -> int:
         if self.parquet and self._length is None:
-            from .dataset_sources import parquet_row_count
+            from .parquet_reader import parquet_row_count
 
             self._length = parquet_row_count(self.path)  # every parquet row is a candidate: no data read
         return super().__len__()
@@ -249,7 +249,7 @@ class TableSource(FileSource):
     def parquet_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
         """(where, row or BadRow) per parquet row, read a batch at a time. With ``meta`` named, only
         the columns in use are read (embedding or image columns can dwarf the rest of a table)."""
-        from .dataset_sources import parquet_records
+        from .parquet_reader import parquet_records
 
         columns = None
         if self.meta_columns is not None:
@@ -287,7 +287,7 @@ class TableSource(FileSource):
     def header_columns(self) -> list[str]:
         """The column names: a CSV/TSV header row, or a parquet file's schema."""
         if self.parquet:
-            from .dataset_sources import parquet_columns
+            from .parquet_reader import parquet_columns
 
             return parquet_columns(self.path)
         with self.open_text() as stream:

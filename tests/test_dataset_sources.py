@@ -12,7 +12,7 @@ from PIL import Image
 
 from clipkit import api
 from clipkit.errors import DataError
-from clipkit.plugins import dataset_sources
+from clipkit.plugins import parquet_reader
 from clipkit.plugins.dataset_sources import Img2DatasetSource, WebDatasetSource
 from clipkit.plugins.file_sources import TableSource
 from clipkit.plugins.idx_source import IdxSource
@@ -85,7 +85,7 @@ def test_parquet_table_paths_captions_meta_in_order(pq, tmp_path, monkeypatch):
     """Paths (relative, absolute), caption lists, scalar meta; several row groups read in small batches."""
     import datetime
 
-    monkeypatch.setattr(dataset_sources, "PARQUET_BATCH_ROWS", 2)  # batches inside row groups of 3
+    monkeypatch.setattr(parquet_reader, "PARQUET_BATCH_ROWS", 2)  # batches inside row groups of 3
     images = [write(tmp_path / "data/img" / f"{i}.png", png((i, 0, 0))) for i in range(6)]
     paths = [f"img/{i}.png" for i in range(5)] + [str(images[5])]
     path = write_parquet(
@@ -184,13 +184,13 @@ def test_parquet_reads_only_the_columns_in_use_when_meta_is_named(pq, tmp_path, 
         {"image": ["a.png"], "caption": ["c"], "k": [3], "embedding": [[0.1] * 512], "other": ["x"]},
     )
     read = []
-    original = dataset_sources.parquet_records
+    original = parquet_reader.parquet_records
 
     def spy(path, columns=None):
         read.append(columns)
         return original(path, columns)
 
-    monkeypatch.setattr(dataset_sources, "parquet_records", spy)
+    monkeypatch.setattr(parquet_reader, "parquet_records", spy)
     (sample,) = open_source(f"{path}?meta=k")
     assert sample.meta == {"k": 3} and read[-1] == ["image", "caption", "k"]
     (sample,) = open_source(str(path))
