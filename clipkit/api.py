@@ -41,13 +41,6 @@ def default_run_dir(recipe: dict) -> Path:
     return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-#: Source options that change how fast (or how patiently) samples arrive, not what they are, so
-#: an interrupted `clipkit shard` may be resumed with other values (e.g. a longer timeout).
-RESUME_MAY_CHANGE = frozenset(
-    {"workers", "timeout", "retries", "backoff", "retry_after_cap", "per_host", "min_interval", "user_agent"}
-)
-
-
 def shard(
     source: str,
     out: Path,
@@ -62,8 +55,13 @@ def shard(
 
     An interrupted run leaves ``out.partial``; calling again with the same arguments continues it.
     """
+    from clipkit.download import Downloader
     from clipkit.shard import open_source
     from clipkit.shard_writer import write_shards
+
+    # Options that change how fast or how patiently samples arrive, not what they are: an
+    # interrupted `clipkit shard` may be resumed with other values (e.g. a longer timeout).
+    resume_may_change = {"workers", *Downloader.PATIENCE_OPTIONS}
 
     registry = registry or default_registry()
     opened = open_source(source, options, pm=registry.pm)
@@ -74,7 +72,7 @@ def shard(
         info=opened.info(),
         samples_per_shard=samples_per_shard,
         max_shard_bytes=max_shard_bytes,
-        settings={key: value for key, value in (options or {}).items() if key not in RESUME_MAY_CHANGE},
+        settings={key: value for key, value in (options or {}).items() if key not in resume_may_change},
         progress=progress,
     )
 

@@ -113,6 +113,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
         records = read_segments(self.plan.segments)
         if self.shuffle_buffer > 1:
+            # One stream per rank (every worker computes the same); the trailing ":0" keeps the seed
+            # string of the earlier per-worker loader, so single-process order is unchanged.
             rng = random.Random(f"samples:{self.seed}:{self.epoch}:{self.rank}:0")
             records = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(records)
         for _ in range(self.plan.batches):

@@ -111,6 +111,9 @@ class Downloader:
         "timeout": float, "retries": int, "backoff": float, "retry_after_cap": float, "per_host": int,
         "min_interval": float, "max_bytes": int, "user_agent": str,
     }  # fmt: skip
+    #: Of those, the options that change how patiently samples arrive, not which ones end up in the
+    #: shards' bytes (max_bytes decides what is refused, so it is not one of them).
+    PATIENCE_OPTIONS = frozenset(OPTION_TYPES) - {"max_bytes"}
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> Downloader:

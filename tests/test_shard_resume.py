@@ -112,8 +112,8 @@ def test_interrupted_table_source_resumes_from_its_position(tmp_path, table, wor
     # 3 shards of 7 were finished: rows 0-26, i.e. 21 samples and 6 missing images (rows 0, 5, ..., 25).
     position = {"consumed": 27, "yielded": 21, "skipped": {"missing_image": 6}}
     assert journal["state"]["source_state"] == position
-    # Resume with a different thread count: it changes speed, not the shards.
-    manifest = api.shard(str(table), out, samples_per_shard=7, options={"workers": "2"})
+    # Resume with another thread count and download timeout: they change speed, not the shards.
+    manifest = api.shard(str(table), out, samples_per_shard=7, options={"workers": "2", "timeout": "30"})
     assert verify_shards(out)["problems"] == []
     assert manifest["n"] == reference["n"] == 45
     assert manifest["info"]["skipped"] == reference["info"]["skipped"] == {"missing_image": 12}
