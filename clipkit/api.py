@@ -8,7 +8,6 @@ Usable from Python too::
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,10 +114,20 @@ def train(
     if section(recipe, "train").export and trainer.runtime.is_main:
         result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
         if recipe.get("eval"):
-            report = evaluate(result.export_dir, None, registry=registry, output=Path(run_dir) / "eval.json")
-            result.evals = report["results"]
+            evals = evaluate(result.export_dir, None, registry=registry, output=Path(run_dir) / "eval.json")
+            result.evals = evals["results"]
+        plot_run(Path(run_dir))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def plot_run(run_dir: Path) -> Path | None:
+    """RUN/loss.png: the run's loss (and, when logged, learning rate) against step."""
+    from clipkit.report import plot_loss_curves
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
+    return plot_loss_curves({run_dir.name: run_dir}, run_dir / "loss.png", ["loss", "lr"])
 
 
 def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> dict:
@@ -151,12 +160,41 @@ def evaluate(
     *,
     registry: Registry | None = None,
     output: Path | None = None,
+    plots: bool = True,
 ) -> dict:
-    """Run eval tasks (default: the export's recipe's) on an export; writes JSON to ``output``."""
+    """Run eval tasks (default: the export's recipe's) on an export.
+
+    With ``output`` (a .json path) the report is written there, with a Markdown table beside it
+    (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
+    """
     from clipkit.evaluate import evaluate_export
-    from clipkit.io import atomic_write_text
+    from clipkit.report import summarize, write_eval_report
 
     report = evaluate_export(Path(export_dir), tasks, registry or default_registry())
+    report["summary"] = summarize(report["results"])
     if output is not None:
-        atomic_write_text(output, json.dumps(report, indent=2) + "\n")
+        write_eval_report(report, Path(output), plots=plots)
     return report
+
+
+def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
+    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an
+    ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots)."""
+    from clipkit.report import plot_loss_curves, read_eval_reports, write_comparison
+
+    runs = [Path(run) for run in runs]
+    labels = unique_labels(runs)
+    out = Path(out)
+    written = [plot_loss_curves(dict(zip(labels, runs, strict=True)), out / "loss.png", metrics or ["loss"])]
+    evals = read_eval_reports(dict(zip(labels, runs, strict=True)))
+    if evals:
+        written += write_comparison(evals, out / "eval.json")
+    return written
+
+
+def unique_labels(runs: list[Path]) -> list[str]:
+    """Run directory names, with parents added where two names collide."""
+    names = [run.name for run in runs]
+    if len(set(names)) == len(names):
+        return names
+    return [str(run) for run in runs]

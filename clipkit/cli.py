@@ -152,21 +152,60 @@ def eval_command(
     ] = None,
     data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
+    dataset: Annotated[
+        str, typer.Option(help="Standard dataset whose class names and prompts zero_shot uses (e.g. cifar10)")
+    ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
+    tasks_file: Annotated[
+        Path, typer.Option("--tasks", help="YAML file with a list of eval tasks (a benchmark suite)")
+    ] = None,
     output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
+    plots: Annotated[bool, typer.Option(help="Write PNG plots next to the JSON report")] = True,
 ):
-    """Evaluate an export: zero-shot classification, retrieval, ... (prints a table, writes JSON)."""
+    """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
     from clipkit import api
 
-    tasks = None
+    tasks = read_tasks_file(tasks_file) if tasks_file is not None else None
     if task is not None:
         config = {"name": task, **dict(parse_pairs(set_ or [], typed=True))}
-        config.update({k: v for k, v in (("data", data), ("label", label)) if v is not None})
-        tasks = [config]
+        given = (("data", data), ("label", label), ("dataset", dataset))
+        config.update({k: v for k, v in given if v is not None})
+        tasks = (tasks or []) + [config]
     output = output or export_dir / "eval.json"
-    report = api.evaluate(export_dir, tasks, registry=registry(), output=output)
-    print_evals(report["results"])
-    typer.echo(f"report written to {output}")
+    report = api.evaluate(export_dir, tasks, registry=registry(), output=output, plots=plots)
+    print_evals(report["results"], report.get("summary"))
+    typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
+
+
+def read_tasks_file(path: Path) -> list[dict]:
+    """A YAML list of eval tasks, or a mapping with an ``eval:`` list (a recipe works too)."""
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise ClipkitError(f"{path}: no such tasks file")
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    tasks = loaded.get("eval") if isinstance(loaded, dict) else loaded
+    if not isinstance(tasks, list) or not all(isinstance(t, dict) and "name" in t for t in tasks):
+        raise ClipkitError(f"{path}: expected a list of tasks like `- {{name: zero_shot, data: ...}}`")
+    return tasks
+
+
+@fails_cleanly
+def report_command(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories to compare (metrics.jsonl, eval.json)")],
+    out: Annotated[Path, typer.Option(help="Directory for loss.png, eval.json/.md and plots")] = Path(
+        "report"
+    ),
+    metric: Annotated[
+        list[str], typer.Option(help="Logged metric to plot against step (repeatable; default loss)")
+    ] = None,
+):
+    """Compare runs: loss curves overlaid, and their eval results side by side."""
+    from clipkit import api
+
+    written = api.report(runs, out, metrics=metric or None)
+    for path in written:
+        typer.echo(f"wrote {path}")
 
 
 @fails_cleanly
@@ -312,20 +351,19 @@ def print_summary(result) -> None:
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
 
 
-def print_evals(results: list[dict]) -> None:
+def print_evals(results: list[dict], summary: dict | None = None) -> None:
     from rich.table import Table
+
+    from clipkit.report import metric_rows, task_label
 
     table = Table("task", "metric", "value", "data")
     for result in results:
-        task = result["name"] + (f":{result['label']}" if "label" in result else "")
-        for key, value in result.items():
-            if not isinstance(value, float) or key == "chance":
-                continue
-            note = (
-                f"  ({value / result['chance']:.1f}x chance)" if key == "top1" and "chance" in result else ""
-            )
-            table.add_row(task, key, f"{value:.4f}{note}", str(result.get("data", "")))
+        task = task_label(result)
+        for key, value in metric_rows(result):
+            table.add_row(task, key, value, str(result.get("data", "")))
             task = ""  # name each task once
+    for key, value in (summary or {}).items():
+        table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}", "")
     console().print(table)
 
 
@@ -336,6 +374,7 @@ def make_app(pm=None) -> typer.Typer:
     app.command("train")(train_command)
     app.command("export")(export_command)
     app.command("eval")(eval_command)
+    app.command("report")(report_command)
     app.command("plugins")(plugins_command)
     app.command("recipes")(recipes_command)
     app.command("validate")(validate_command)

@@ -40,10 +40,42 @@ def slice_points(points: PointSet, start: int, stop: int) -> PointSet:
     )
 
 
-def eval_generator(model: ContrastiveModel) -> torch.Generator:
+def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Generator:
+    """A generator seeded with ``seed`` (default: the export's ``eval_seed``)."""
     generator = torch.Generator()
-    generator.manual_seed(int(getattr(model, "eval_seed", 0)))
+    generator.manual_seed(int(getattr(model, "eval_seed", 0) if seed is None else seed))
     return generator
+
+
+def uses_random_features(model: ContrastiveModel) -> bool:
+    """Whether the model's similarity draws random features (WPSE): its scores depend on the seed."""
+    return bool(getattr(model.similarity, "uses_random_features", False))
+
+
+def feature_seeds(model: ContrastiveModel, repeats: int | None) -> list[int]:
+    """The random-feature seeds an eval repeats over: ``eval_seed, eval_seed + 1, ...``.
+
+    ``repeats`` None means 5 for random-feature similarities (mean ± std over feature draws, as
+    the WPSE paper reports) and 1 otherwise; a deterministic similarity never needs more than one.
+    """
+    count = (5 if uses_random_features(model) else 1) if repeats is None else int(repeats)
+    if count < 1:
+        raise ClipkitError(f"feature_seeds must be >= 1, got {count}")
+    if not uses_random_features(model):
+        count = 1
+    base = int(getattr(model, "eval_seed", 0))
+    return [base + i for i in range(count)]
+
+
+def mean_and_std(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean over repeated evals; with several runs also ``<key>_std`` (sample std)."""
+    summary: dict[str, float] = {}
+    for key in runs[0]:
+        values = torch.tensor([run[key] for run in runs], dtype=torch.float64)
+        summary[key] = float(values.mean())
+        if len(runs) > 1:
+            summary[f"{key}_std"] = float(values.std())
+    return summary
 
 
 @torch.no_grad()
@@ -71,13 +103,17 @@ def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int 
 
 @torch.no_grad()
 def image_text_logits(
-    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256
+    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256, seed: int | None = None
 ) -> torch.Tensor:
-    """[N_images, N_texts] similarity logits, computed in image chunks."""
+    """[N_images, N_texts] similarity logits, computed in image chunks.
+
+    Every chunk gets a generator seeded identically (``seed``, default the export's eval_seed), so
+    a random-feature similarity uses one feature draw for the whole matrix.
+    """
     rows = []
     for start in range(0, images.batch_size, chunk):
         part = slice_points(images, start, start + chunk)
-        rows.append(model.similarity(part, texts, generator=eval_generator(model)).i2t)
+        rows.append(model.similarity(part, texts, generator=eval_generator(model, seed)).i2t)
     return torch.cat(rows)
 
 

@@ -95,6 +95,7 @@ class TrainConfig:
     precision: str = "no"  # "no" (fp32), "bf16", "fp16"
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
+    eval_every: int = 0  # run the recipe's eval tasks on the in-memory model every N steps; 0 = off
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}

@@ -224,11 +224,42 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
             last = step_metrics(out, optimizer, similarity, grad_norm, epoch, samples / max(elapsed, 1e-9))
             samples = 0
             trainer.registry.pm.hook.on_metrics(step=done, metrics=last, run=trainer.run)
+        if train.eval_every and done % train.eval_every == 0 and done < train.steps:
+            evaluate_during_training(trainer, done)
         if done % train.checkpoint_every == 0 or done == train.steps:
             checkpoint(trainer, done)
         if progress is not None:
             progress(done, train.steps, last)
     return last
+
+
+def evaluate_during_training(trainer: Trainer, step: int) -> list[dict]:
+    """Run the recipe's eval tasks on the in-memory model — the code ``clipkit eval`` runs on an
+    export — and log their float metrics as ``eval/<task>/<metric>`` at ``step``.
+
+    Evaluation must not change training: the RNG states are restored afterwards (so a run with
+    evaluation takes the same steps as one without), and the model goes back to train mode.
+    """
+    from clipkit.evaluate import run_evals
+    from clipkit.report import metric_rows, task_label
+
+    tasks = trainer.recipe.get("eval") or []
+    if not tasks or not trainer.runtime.is_main:
+        return []
+    saved = rng_state()
+    model = trainer.runtime.unwrap(trainer.model)
+    try:
+        results = run_evals(model, tasks, trainer.registry)
+    finally:
+        model.train()
+        set_rng_state(saved)
+    metrics = {
+        f"eval/{task_label(result)}/{key}": result[key]
+        for result in results
+        for key, _ in metric_rows(result)
+    }
+    trainer.registry.pm.hook.on_metrics(step=step, metrics=metrics, run=trainer.run)
+    return results
 
 
 def step_metrics(

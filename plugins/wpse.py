@@ -58,6 +58,9 @@ class WPSESimilarity(nn.Module):
     To compare two ``embed`` calls, give each a generator seeded identically.
     """
 
+    #: Scores depend on the feature draw: evaluation repeats over several seeds (METHODS §8).
+    uses_random_features = True
+
     def __init__(
         self,
         embed_dim: int,

@@ -1,0 +1,287 @@
+"""Eval and run reports: JSON, a Markdown table and PNG plots (matplotlib, Agg backend).
+
+``write_eval_report`` turns the dict ``clipkit eval`` returns into ``NAME.json``, ``NAME.md``
+and, when there is something to draw, ``NAME-accuracy.png`` (per-dataset bars of zero-shot
+and linear-probe top-1, with ± std over random-feature seeds and the chance level) and
+``NAME-recall.png`` (retrieval recall curves). ``plot_loss_curves`` draws a run's
+``metrics.jsonl`` (several runs overlaid to compare methods). Every file is written
+atomically. Plot files hold no timestamps, so re-running a report rewrites the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from clipkit.errors import ClipkitError
+from clipkit.io import atomic_path, atomic_write_text
+
+#: Result keys that describe a task rather than measure it (never printed as metrics).
+DESCRIPTIVE = {"name", "data", "label", "dataset", "chance"}
+
+#: The result keys drawn as per-dataset bars.
+ACCURACY_KEYS = ("top1", "top5")
+
+
+def summarize(results: Sequence[dict]) -> dict[str, Any]:
+    """Averages across datasets: zero-shot and linear-probe top-1 (top-5 where all have it).
+
+    The mean is over tasks (datasets / label sets), unweighted, as CLIP and the papers average.
+    """
+    summary: dict[str, Any] = {}
+    for task in ("zero_shot", "linear_probe"):
+        rows = [r for r in results if r.get("name") == task and "top1" in r]
+        if not rows:
+            continue
+        summary[f"{task}_datasets"] = len(rows)
+        for key in ACCURACY_KEYS:
+            if all(key in r for r in rows):
+                summary[f"{task}_{key}_mean"] = sum(r[key] for r in rows) / len(rows)
+    retrieval = [r for r in results if r.get("name") == "retrieval" and "mean_recall" in r]
+    if retrieval:
+        summary["retrieval_mean_recall"] = sum(r["mean_recall"] for r in retrieval) / len(retrieval)
+    return summary
+
+
+def short_data_name(data: str) -> str:
+    """A data URI's short name: ``synthetic://shapes?n=8`` -> shapes, ``classes:/x/cifar10`` -> cifar10."""
+    data = data.split("?", 1)[0].rstrip("/")
+    if "://" in data:
+        data = data.split("://", 1)[1]
+    return Path(data.split(":", 1)[-1] if ":" in data else data).name or data
+
+
+def task_label(result: dict) -> str:
+    """A short name for one result row: task, dataset or data, and label."""
+    where = result.get("dataset") or short_data_name(str(result.get("data", "")))
+    label = f":{result['label']}" if result.get("label") not in (None, "label") else ""
+    return f"{result.get('name', '?')} {where}{label}".strip()
+
+
+def format_value(result: dict, key: str) -> str:
+    value = result[key]
+    std = result.get(f"{key}_std")
+    text = f"{value:.4f}" + (f" ± {std:.4f}" if isinstance(std, float) else "")
+    if key == "top1" and result.get("chance"):
+        text += f" ({value / result['chance']:.1f}× chance)"
+    return text
+
+
+def metric_rows(result: dict) -> list[tuple[str, str]]:
+    """(metric, formatted value) for every float metric of a result (std folded into its mean)."""
+    return [
+        (key, format_value(result, key))
+        for key, value in result.items()
+        if isinstance(value, float) and key not in DESCRIPTIVE and not key.endswith("_std")
+    ]
+
+
+def markdown_table(report: dict) -> str:
+    """The report as Markdown: one row per (task, metric), then the cross-dataset averages."""
+    lines = [
+        f"# Evaluation of `{report.get('export', '?')}`",
+        "",
+        "| task | metric | value |",
+        "| --- | --- | --- |",
+    ]
+    for result in report.get("results", []):
+        name = task_label(result)
+        for metric, value in metric_rows(result):
+            lines.append(f"| {name} | {metric} | {value} |")
+            name = ""
+    summary = report.get("summary") or {}
+    if summary:
+        lines += ["", "| average | value |", "| --- | --- |"]
+        lines += [
+            f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in summary.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
+    try:
+        import matplotlib
+    except ImportError as error:  # a core dependency; only a broken install lacks it
+        raise ClipkitError("plots need matplotlib: pip install matplotlib") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: Path) -> Path:
+    """Write a PNG atomically, without a timestamp in its metadata, and close the figure."""
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight", metadata={"Software": None})
+    pyplot().close(figure)
+    return path
+
+
+def plot_accuracy_bars(results: Sequence[dict], path: Path) -> Path | None:
+    """Per-dataset top-1 bars (± std, chance marked) of zero-shot and linear-probe results."""
+    rows = [r for r in results if r.get("name") in ("zero_shot", "linear_probe") and "top1" in r]
+    if not rows:
+        return None
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.6))
+    positions = list(range(len(rows)))
+    errors = [r.get("top1_std", 0.0) for r in rows]
+    colours = ["tab:blue" if r["name"] == "zero_shot" else "tab:green" for r in rows]
+    axes.bar(positions, [r["top1"] for r in rows], yerr=errors, color=colours, capsize=3)
+    for x, row in zip(positions, rows, strict=True):
+        if row.get("chance"):
+            axes.hlines(row["chance"], x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1)
+    axes.set_xticks(positions, [task_label(r) for r in rows], rotation=30, ha="right", fontsize=8)
+    axes.set_ylabel("top-1 accuracy")
+    axes.set_ylim(0, 1)
+    axes.set_title("top-1 per dataset (dashed: chance; blue zero-shot, green linear probe)", fontsize=9)
+    return save_figure(figure, path)
+
+
+def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
+    """Recall@K against K for both directions of every retrieval result."""
+    rows = [r for r in results if r.get("name") == "retrieval" and r.get("curves")]
+    if not rows:
+        return None
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(5.5, 3.6))
+    for row in rows:
+        curves = row["curves"]
+        for direction, style in (("i2t", "-"), ("t2i", "--")):
+            axes.plot(curves["k"], curves[direction], style, label=f"{task_label(row)} {direction}")
+    axes.set_xscale("log")
+    axes.set_xlabel("K")
+    axes.set_ylabel("Recall@K")
+    axes.set_ylim(0, 1)
+    axes.legend(fontsize=7)
+    return save_figure(figure, path)
+
+
+def write_eval_report(report: dict, json_path: Path, *, plots: bool = True) -> list[Path]:
+    """Write ``json_path`` (the report with its summary), the .md beside it, and the PNGs."""
+    json_path = Path(json_path)
+    report = {**report, "summary": summarize(report.get("results", []))}
+    atomic_write_text(json_path, json.dumps(report, indent=2, default=_jsonable) + "\n")
+    markdown = json_path.with_suffix(".md")
+    atomic_write_text(markdown, markdown_table(report))
+    written = [json_path, markdown]
+    if plots:
+        stem = json_path.with_suffix("")
+        results = report.get("results", [])
+        for plot, suffix in ((plot_accuracy_bars, "accuracy"), (plot_recall_curves, "recall")):
+            path = plot(results, Path(f"{stem}-{suffix}.png"))
+            if path is not None:
+                written.append(path)
+    return written
+
+
+def _jsonable(value) -> str:
+    """Anything json cannot write (a Path, a numpy scalar) is written as its text."""
+    return str(value)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``; a torn last line (from a crash) is ignored."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ClipkitError(f"{path}:{number}: not a JSON line ({error})") from None
+    return records
+
+
+def plot_loss_curves(runs: dict[str, Path], path: Path, metrics: Sequence[str] = ("loss",)) -> Path:
+    """Overlay ``metrics`` against step for several runs: ``runs`` maps a label to a run directory."""
+    plt = pyplot()
+    figure, all_axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.4), squeeze=False)
+    for axes, metric in zip(all_axes[0], metrics, strict=True):
+        for label, run_dir in runs.items():
+            file = Path(run_dir) / "metrics.jsonl"
+            if not file.is_file():
+                raise ClipkitError(f"{run_dir}: no metrics.jsonl (is it a clipkit run directory?)")
+            points = [(r["step"], r[metric]) for r in read_metrics(file) if isinstance(r.get(metric), float)]
+            if points:
+                steps, values = zip(*points, strict=True)
+                axes.plot(steps, values, label=label)
+        axes.set_xlabel("step")
+        axes.set_ylabel(metric)
+        axes.legend(fontsize=7)
+    return save_figure(figure, Path(path))
+
+
+def read_eval_reports(runs: dict[str, Path]) -> dict[str, dict]:
+    """label -> the ``eval.json`` of each run directory that has one."""
+    reports = {}
+    for label, run_dir in runs.items():
+        path = Path(run_dir) / "eval.json"
+        if path.is_file():
+            try:
+                reports[label] = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as error:
+                raise ClipkitError(f"{path}: not valid JSON ({error})") from None
+    return reports
+
+
+def comparison_rows(reports: dict[str, dict]) -> list[tuple[str, str, dict[str, str]]]:
+    """(task, metric, {run label: formatted value}) for every metric any run reports."""
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for label, report in reports.items():
+        for result in report.get("results", []):
+            for metric, value in metric_rows(result):
+                rows.setdefault((task_label(result), metric), {})[label] = value
+        for key, value in (report.get("summary") or {}).items():
+            if isinstance(value, float):
+                rows.setdefault(("average", key), {})[label] = f"{value:.4f}"
+    return [(task, metric, values) for (task, metric), values in rows.items()]
+
+
+def write_comparison(reports: dict[str, dict], json_path: Path) -> list[Path]:
+    """Several runs' eval reports side by side: JSON, a Markdown table (one column per run), and
+    grouped top-1 bars."""
+    json_path = Path(json_path)
+    labels = list(reports)
+    atomic_write_text(json_path, json.dumps({"runs": reports}, indent=2, default=_jsonable) + "\n")
+    lines = ["| task | metric | " + " | ".join(labels) + " |", "|" + " --- |" * (len(labels) + 2)]
+    for task, metric, values in comparison_rows(reports):
+        lines.append(
+            f"| {task} | {metric} | " + " | ".join(values.get(label, "–") for label in labels) + " |"
+        )
+    markdown = json_path.with_suffix(".md")
+    atomic_write_text(markdown, "\n".join(lines) + "\n")
+    written = [json_path, markdown]
+    bars = plot_grouped_accuracy(reports, Path(f"{json_path.with_suffix('')}-accuracy.png"))
+    return written + ([bars] if bars else [])
+
+
+def plot_grouped_accuracy(reports: dict[str, dict], path: Path) -> Path | None:
+    """Top-1 per dataset, one bar per run in each group (± std over feature seeds)."""
+    tasks: dict[str, dict[str, tuple[float, float]]] = {}
+    for label, report in reports.items():
+        for result in report.get("results", []):
+            if result.get("name") in ("zero_shot", "linear_probe") and "top1" in result:
+                tasks.setdefault(task_label(result), {})[label] = (
+                    result["top1"],
+                    result.get("top1_std", 0.0),
+                )
+    if not tasks:
+        return None
+    plt = pyplot()
+    width = 0.8 / len(reports)
+    figure, axes = plt.subplots(figsize=(max(4.0, 1.2 * len(tasks) + 2), 3.6))
+    for i, label in enumerate(reports):
+        xs = [t + i * width for t in range(len(tasks))]
+        values = [tasks[task].get(label, (0.0, 0.0)) for task in tasks]
+        axes.bar(xs, [v for v, _ in values], width, yerr=[e for _, e in values], label=label, capsize=2)
+    axes.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], list(tasks), rotation=30, ha="right")
+    axes.set_ylabel("top-1 accuracy")
+    axes.set_ylim(0, 1)
+    axes.legend(fontsize=7)
+    return save_figure(figure, path)

@@ -1,0 +1,261 @@
+"""Eval metrics on hand-made cases, feature seeds, reports (JSON, Markdown, PNG), eval during training."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from clipkit import api
+from clipkit.errors import ClipkitError, DataError
+from clipkit.evaluate import feature_seeds, mean_and_std, recall_at_k, topk_accuracy
+from clipkit.plugins.retrieval import first_hit_ranks, recall_curves, recalls
+from clipkit.plugins.zero_shot import ZeroShot
+from clipkit.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
+
+SMOKE = ["train.steps=4", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]
+
+
+def fresh_registry():
+    from clipkit.manager import make_plugin_manager
+    from clipkit.registry import Registry
+
+    return Registry(make_plugin_manager(autoload=False))
+
+
+# --- top-k and Recall@K by hand ---------------------------------------------------------------
+
+
+def test_topk_accuracy_by_hand():
+    logits = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.3, 0.5], [0.1, 0.7, 0.2], [0.3, 0.2, 0.1]])
+    labels = torch.tensor([0, 1, 1, 2])
+    # Row 0 right; row 1: label 1 ranked 2nd; row 2 right; row 3: label 2 ranked 3rd.
+    assert topk_accuracy(logits, labels, 1) == 0.5
+    assert topk_accuracy(logits, labels, 2) == 0.75
+    assert topk_accuracy(logits, labels, 3) == 1.0
+    assert topk_accuracy(logits, labels, 99) == 1.0  # k larger than the classes: every row hits
+
+
+def test_recall_with_several_captions_per_image_by_hand():
+    # 2 images, 4 texts: texts 0, 1 describe image 0; texts 2, 3 describe image 1.
+    owner = torch.tensor([0, 0, 1, 1])
+    logits = torch.tensor(
+        [
+            [0.1, 0.8, 0.9, 0.0],  # image 0: best text 2 (wrong), 2nd text 1 (its own) -> i2t rank 2
+            [0.5, 0.2, 0.1, 0.6],  # image 1: best text 3 (its own) -> rank 1
+        ]
+    )
+    # t2i: text 0 -> image 1 (0.5 > 0.1), own image 0 at rank 2; text 1 -> image 0 rank 1;
+    # text 2 -> image 0 (0.9 > 0.1): rank 2; text 3 -> image 1 rank 1.
+    result = recalls(logits, owner, [1, 2])
+    assert result["i2t_R@1"] == 0.5 and result["i2t_R@2"] == 1.0
+    assert result["t2i_R@1"] == 0.5 and result["t2i_R@2"] == 1.0
+    assert result["mean_recall"] == pytest.approx((0.5 + 1 + 0.5 + 1) / 4)
+    positives = owner.unsqueeze(0) == torch.arange(2).unsqueeze(1)
+    assert first_hit_ranks(logits, positives).tolist() == [2, 1]
+    assert first_hit_ranks(logits.t(), positives.t()).tolist() == [2, 1, 2, 1]
+    assert recall_at_k(logits, positives, 1) == 0.5  # the top-k form agrees
+    curves = recall_curves(logits, owner, 50)
+    assert curves == {"k": [1, 2], "i2t": [0.5, 1.0], "t2i": [0.5, 1.0]}
+
+
+def test_recall_against_a_naive_loop():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 20, generator=generator)
+    owner = torch.randint(0, 7, (20,), generator=generator)
+    result = recalls(logits, owner, [1, 3, 5])
+    for k in (1, 3, 5):
+        i2t = sum(
+            any(owner[t] == i for t in logits[i].argsort(descending=True)[:k].tolist()) for i in range(7)
+        )
+        t2i = sum(int(owner[t]) in logits[:, t].argsort(descending=True)[:k].tolist() for t in range(20))
+        assert result[f"i2t_R@{k}"] == pytest.approx(i2t / 7)
+        assert result[f"t2i_R@{k}"] == pytest.approx(t2i / 20)
+
+
+def test_mean_and_std_over_seeds():
+    summary = mean_and_std([{"top1": 0.5}, {"top1": 0.7}, {"top1": 0.6}])
+    assert summary["top1"] == pytest.approx(0.6)
+    assert summary["top1_std"] == pytest.approx(0.1)
+    assert mean_and_std([{"top1": 0.5}]) == {"top1": 0.5}  # one run: no std
+
+
+# --- zero-shot prompts and feature seeds --------------------------------------------------------
+
+
+class _FakeSimilarity:
+    def __init__(self, random_features: bool) -> None:
+        self.uses_random_features = random_features
+
+
+class _FakeModel:
+    def __init__(self, random_features: bool, eval_seed: int = 3) -> None:
+        self.similarity, self.eval_seed = _FakeSimilarity(random_features), eval_seed
+
+
+def test_feature_seeds_repeat_only_random_feature_similarities():
+    assert feature_seeds(_FakeModel(True), None) == [3, 4, 5, 6, 7]
+    assert feature_seeds(_FakeModel(True), 2) == [3, 4]
+    assert feature_seeds(_FakeModel(False), None) == [3]
+    assert feature_seeds(_FakeModel(False), 5) == [3]  # deterministic: one run says everything
+    with pytest.raises(ClipkitError, match="feature_seeds"):
+        feature_seeds(_FakeModel(True), 0)
+
+
+def test_zero_shot_prompt_precedence():
+    info = {"labels": {"label": {"classes": ["a", "b"], "templates": ["a {}"]}}}
+    assert ZeroShot("x").prompts(info) == (["a", "b"], ["a {}"])
+    assert ZeroShot("x", classnames=["c"], templates=["t {}"]).prompts(info) == (["c"], ["t {}"])
+    with pytest.raises(DataError, match="no class names for label 'colour'"):
+        ZeroShot("x", label="colour").prompts(info)
+
+
+# --- reports ----------------------------------------------------------------------------------
+
+
+def _report():
+    return {
+        "export": "e",
+        "results": [
+            {"name": "zero_shot", "data": "d1", "dataset": "cifar10", "top1": 0.5, "top1_std": 0.1,
+             "top5": 0.9, "chance": 0.1, "n": 10},
+            {"name": "zero_shot", "data": "d2", "label": "colour", "top1": 0.3, "chance": 0.25},
+            {"name": "retrieval", "data": "d3", "i2t_R@1": 0.2, "mean_recall": 0.4,
+             "curves": {"k": [1, 2], "i2t": [0.2, 0.5], "t2i": [0.1, 0.4]}},
+        ],
+    }  # fmt: skip
+
+
+def test_summary_averages_over_datasets():
+    summary = summarize(_report()["results"])
+    assert summary["zero_shot_datasets"] == 2
+    assert summary["zero_shot_top1_mean"] == pytest.approx(0.4)
+    assert "zero_shot_top5_mean" not in summary  # not every dataset has a top-5
+    assert summary["retrieval_mean_recall"] == pytest.approx(0.4)
+
+
+def test_markdown_table_folds_std_and_chance():
+    text = markdown_table({**_report(), "summary": summarize(_report()["results"])})
+    assert "| zero_shot cifar10 | top1 | 0.5000 ± 0.1000 (5.0× chance) |" in text
+    assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× chance) |" in text
+    assert "| zero_shot_top1_mean | 0.4000 |" in text
+    assert "top1_std" not in text and "chance |" not in text
+
+
+def test_write_eval_report_writes_json_markdown_and_plots(tmp_path):
+    written = write_eval_report(_report(), tmp_path / "eval.json")
+    names = sorted(p.name for p in written)
+    assert names == ["eval-accuracy.png", "eval-recall.png", "eval.json", "eval.md"]
+    for png in ("eval-accuracy.png", "eval-recall.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "eval.json").read_text())["summary"]["zero_shot_datasets"] == 2
+    first = (tmp_path / "eval-accuracy.png").read_bytes()
+    write_eval_report(_report(), tmp_path / "eval.json")
+    assert (tmp_path / "eval-accuracy.png").read_bytes() == first  # no timestamps: reproducible
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_read_metrics_ignores_only_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ClipkitError, match="metrics.jsonl:1"):
+        read_metrics(path)
+
+
+# --- a real run: eval during training, reports, comparison -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalrun")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        result = api.train(
+            "quickstart@smoke",
+            [*SMOKE, "train.eval_every=2"],
+            run_dir=root / "run",
+            registry=fresh_registry(),
+        )
+    finally:
+        os.chdir(cwd)
+    return root, result
+
+
+def test_eval_during_training_logs_the_export_eval(evaluated_run):
+    root, result = evaluated_run
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    during = [r for r in records if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in during] == [2]  # every 2 steps, the final step is the export's eval
+    assert 0 <= during[0]["eval/zero_shot shapes:colour/top1"] <= 1
+    assert "eval/retrieval shapes/mean_recall" in during[0]
+
+
+def test_short_data_names():
+    assert short_data_name("synthetic://shapes?split=heldout&n=64") == "shapes"
+    assert short_data_name("classes:/data/cifar10/test/") == "test"
+    assert short_data_name("idx:../mnist/t10k-images-idx3-ubyte.gz") == "t10k-images-idx3-ubyte.gz"
+    assert short_data_name("shards/coco") == "coco"
+
+
+def test_eval_during_training_does_not_change_training(evaluated_run, tmp_path):
+    root, result = evaluated_run
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        plain = api.train("quickstart@smoke", SMOKE, run_dir=tmp_path / "plain", registry=fresh_registry())
+    finally:
+        os.chdir(cwd)
+    losses = [r["loss"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss" in r]
+    plain_losses = [r["loss"] for r in read_metrics(plain.run_dir / "metrics.jsonl")]
+    assert losses == plain_losses
+    assert result.evals == plain.evals
+
+
+def test_training_writes_loss_plot_and_eval_markdown(evaluated_run):
+    root, result = evaluated_run
+    for name in ("loss.png", "eval.json", "eval.md", "eval-accuracy.png", "eval-recall.png"):
+        assert (result.run_dir / name).is_file(), name
+
+
+def test_report_compares_runs(evaluated_run, tmp_path):
+    root, result = evaluated_run
+    written = api.report([result.run_dir], tmp_path / "cmp")
+    assert sorted(p.name for p in written) == ["eval-accuracy.png", "eval.json", "eval.md", "loss.png"]
+    table = (tmp_path / "cmp" / "eval.md").read_text()
+    assert table.splitlines()[0] == "| task | metric | run |"
+    with pytest.raises(ClipkitError, match="no metrics.jsonl"):
+        api.report([tmp_path], tmp_path / "cmp2")
+
+
+def test_cli_eval_with_a_tasks_file(evaluated_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from clipkit.cli import make_app
+    from clipkit.manager import make_plugin_manager
+
+    root, result = evaluated_run
+    suite = tmp_path / "suite.yaml"
+    data = "synthetic://shapes?split=heldout&n=40&seed=1&image_size=48"
+    suite.write_text(
+        f"- {{name: zero_shot, data: '{data}', label: colour}}\n"
+        f"- {{name: zero_shot, data: '{data}', label: shape}}\n"
+    )
+    output = tmp_path / "out" / "suite.json"
+    app = make_app(make_plugin_manager(autoload=False))
+    outcome = CliRunner().invoke(
+        app, ["eval", str(result.export_dir), "--tasks", str(suite), "--output", str(output)]
+    )
+    assert outcome.exit_code == 0, outcome.output
+    report = json.loads(output.read_text())
+    assert [r["label"] for r in report["results"]] == ["colour", "shape"]
+    assert report["summary"]["zero_shot_datasets"] == 2
+    assert (tmp_path / "out" / "suite.md").is_file() and (tmp_path / "out" / "suite-accuracy.png").is_file()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: zero_shot\n")
+    outcome = CliRunner().invoke(app, ["eval", str(result.export_dir), "--tasks", str(bad)])
+    assert outcome.exit_code != 0 and "bad.yaml: expected a list of tasks" in outcome.output
