@@ -1,5 +1,6 @@
 """The wheel ships plugins/ and recipes/ inside clipkit, never as top-level packages."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -8,7 +9,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def clean_copy(destination: Path) -> Path:
+    """The source tree without build outputs: a wheel built in the checkout itself could pick up
+    stale files from an ignored build/ folder and pass although package-data misses them."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "runs", "data")
+    return Path(shutil.copytree(ROOT, destination, ignore=ignore))
+
+
 def test_wheel_contents(tmp_path):
+    source = clean_copy(tmp_path / "src")
     command = [
         sys.executable,
         "-m",
@@ -18,11 +27,11 @@ def test_wheel_contents(tmp_path):
         "--no-deps",
         "--no-build-isolation",
         "--wheel-dir",
-        str(tmp_path),
-        str(ROOT),
+        str(tmp_path / "wheel"),
+        str(source),
     ]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = tmp_path.glob("clipkit-*.whl")
+    (wheel,) = (tmp_path / "wheel").glob("clipkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "clipkit/plugins/dot.py" in names and "clipkit/plugins/synthetic_shapes.py" in names
     assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
