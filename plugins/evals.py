@@ -7,7 +7,8 @@ from clipkit.hookspecs import hookimpl
 
 @hookimpl
 def register_evals(register):
-    from clipkit.plugins import retrieval, zero_shot
+    from clipkit.plugins import diagnostics, retrieval, zero_shot
 
     register("zero_shot", zero_shot.ZeroShot)
     register("retrieval", retrieval.Retrieval)
+    register("diagnostics", diagnostics.Diagnostics)
