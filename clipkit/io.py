@@ -19,6 +19,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     os.close(handle)
     try:
         yield Path(temporary)
+        os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp makes 0600; give what open() would
         _fsync(temporary)
         os.replace(temporary, path)
     finally:
@@ -39,6 +40,7 @@ def atomic_directory(path: Path | str) -> Iterator[Path]:
     temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield temporary
+        os.chmod(temporary, 0o777 & ~current_umask())  # mkdtemp makes 0700; give what mkdir() would
         replace_directory(temporary, path)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -55,6 +57,13 @@ def replace_directory(finished: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(finished, target)
+
+
+def current_umask() -> int:
+    """The process umask (reading it means setting it; it is restored at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: str) -> None:
