@@ -60,10 +60,17 @@ def task_label(result: dict) -> str:
     return f"{result.get('name', '?')} {where}{label}".strip()
 
 
+def number(value: float) -> str:
+    """4 decimals, or 3 significant digits for values too small or large for that (λ = 1e-6)."""
+    if value != 0 and not 1e-3 <= abs(value) < 1e5:
+        return f"{value:.3g}"
+    return f"{value:.4f}"
+
+
 def format_value(result: dict, key: str) -> str:
     value = result[key]
     std = result.get(f"{key}_std")
-    text = f"{value:.4f}" + (f" ± {std:.4f}" if isinstance(std, float) else "")
+    text = number(value) + (f" ± {number(std)}" if isinstance(std, float) else "")
     if key == "top1" and result.get("chance"):
         text += f" ({value / result['chance']:.1f}× chance)"
     return text

@@ -7,8 +7,9 @@ from clipkit.hookspecs import hookimpl
 
 @hookimpl
 def register_evals(register):
-    from clipkit.plugins import diagnostics, retrieval, zero_shot
+    from clipkit.plugins import diagnostics, linear_probe, retrieval, zero_shot
 
     register("zero_shot", zero_shot.ZeroShot)
     register("retrieval", retrieval.Retrieval)
+    register("linear_probe", linear_probe.LinearProbe)
     register("diagnostics", diagnostics.Diagnostics)
