@@ -110,6 +110,12 @@ def test_zero_shot_prompt_precedence():
     assert ZeroShot("x", classnames=["c"], templates=["t {}"]).prompts(info) == (["c"], ["t {}"])
     with pytest.raises(DataError, match="no class names for label 'colour'"):
         ZeroShot("x", label="colour").prompts(info)
+    # A standard dataset's shipped names and CLIP's per-dataset templates beat the source's own.
+    classes, templates = ZeroShot("x", dataset="cifar10").prompts(info)
+    assert classes[:2] == ["airplane", "automobile"] and len(classes) == 10
+    assert len(templates) == 18 and templates[0] == "a photo of a {}."
+    assert len(ZeroShot("x", dataset="cifar10", templates="clip7").prompts(info)[1]) == 7
+    assert len(ZeroShot("x", dataset="imagenet", templates="clip80").prompts({})[1]) == 80
 
 
 # --- reports ----------------------------------------------------------------------------------
@@ -259,3 +265,41 @@ def test_cli_eval_with_a_tasks_file(evaluated_run, tmp_path):
     bad.write_text("name: zero_shot\n")
     outcome = CliRunner().invoke(app, ["eval", str(result.export_dir), "--tasks", str(bad)])
     assert outcome.exit_code != 0 and "bad.yaml: expected a list of tasks" in outcome.output
+
+
+# --- every similarity through zero-shot and retrieval --------------------------------------------
+
+HELDOUT = "synthetic://shapes?split=heldout&n=40&seed=1&image_size=48"
+
+
+@pytest.mark.parametrize("spec", ["wpse@tiny", "kme_clip@tiny", "cloob@tiny"])
+def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
+    """Untrained tiny exports of the point-set and Hopfield similarities evaluate through their own
+    similarity; WPSE (random features) is repeated over 5 feature seeds with a spread."""
+    from clipkit.evaluate import run_evals
+    from clipkit.export import load_export, write_export
+    from clipkit.model import build_model
+
+    registry = fresh_registry()
+    recipe = api.resolve(spec, [], registry)
+    torch.manual_seed(0)
+    write_export(build_model(recipe, registry), recipe, tmp_path / "export", registry)
+    model, _ = load_export(tmp_path / "export", registry)
+    tasks = [
+        {"name": "zero_shot", "data": HELDOUT, "label": "colour"},
+        {"name": "retrieval", "data": HELDOUT},
+    ]
+    zero_shot, retrieval = run_evals(model, tasks, registry)
+    random_features = spec.startswith("wpse")
+    assert zero_shot["feature_seeds"] == retrieval["feature_seeds"] == (5 if random_features else 1)
+    assert ("top1_std" in zero_shot) == random_features
+    assert 0 <= zero_shot["top1"] <= 1 and 0 <= retrieval["mean_recall"] <= 1
+    if random_features:  # different feature draws really give different logits
+        from clipkit.evaluate import encode_images, encode_texts, image_text_logits, load_samples
+
+        samples, _ = load_samples(HELDOUT, 8, registry=registry)
+        images = encode_images(model, samples)
+        texts = encode_texts(model, [s.captions[0] for s in samples])
+        first, second = (image_text_logits(model, images, texts, seed=seed) for seed in (0, 1))
+        assert not torch.equal(first, second)
+        assert torch.equal(first, image_text_logits(model, images, texts, seed=0))
