@@ -25,6 +25,7 @@ BUILTIN_PLUGINS = (
     "clipkit.plugins.sources",
     "clipkit.plugins.loggers",
     "clipkit.plugins.recipes",
+    "clipkit.plugins.experiments",
 )
 
 AUTOLOAD_ENV = "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD"
