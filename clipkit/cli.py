@@ -356,14 +356,14 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
 
     from clipkit.report import metric_rows, task_label
 
-    table = Table("task", "metric", "value", "data")
+    table = Table("task", "metric", "value")  # the task label names its data; the JSON has the full URI
     for result in results:
         task = task_label(result)
         for key, value in metric_rows(result):
-            table.add_row(task, key, value, str(result.get("data", "")))
+            table.add_row(task, key, value)
             task = ""  # name each task once
     for key, value in (summary or {}).items():
-        table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}", "")
+        table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}")
     console().print(table)
 
 

@@ -46,11 +46,15 @@ def summarize(results: Sequence[dict]) -> dict[str, Any]:
 
 
 def short_data_name(data: str) -> str:
-    """A data URI's short name: ``synthetic://shapes?n=8`` -> shapes, ``classes:/x/cifar10`` -> cifar10."""
+    """A data URI's short name: ``synthetic://shapes?n=8`` -> shapes, ``classes:/x/cifar10`` ->
+    cifar10; a file (a table, idx images) is named by its folder: ``coco/captions.jsonl`` -> coco."""
     data = data.split("?", 1)[0].rstrip("/")
     if "://" in data:
         data = data.split("://", 1)[1]
-    return Path(data.split(":", 1)[-1] if ":" in data else data).name or data
+    path = Path(data.split(":", 1)[-1] if ":" in data else data)
+    if path.suffix and path.parent.name:
+        return path.parent.name
+    return path.name or data
 
 
 def task_label(result: dict) -> str:

@@ -204,7 +204,9 @@ def test_eval_during_training_logs_the_export_eval(evaluated_run):
 def test_short_data_names():
     assert short_data_name("synthetic://shapes?split=heldout&n=64") == "shapes"
     assert short_data_name("classes:/data/cifar10/test/") == "test"
-    assert short_data_name("idx:../mnist/t10k-images-idx3-ubyte.gz") == "t10k-images-idx3-ubyte.gz"
+    assert short_data_name("idx:../mnist/t10k-images-idx3-ubyte.gz") == "mnist"
+    assert short_data_name("/data/coco-mini/captions.jsonl") == "coco-mini"
+    assert short_data_name("captions.jsonl") == "captions.jsonl"
     assert short_data_name("shards/coco") == "coco"
 
 
