@@ -117,18 +117,23 @@ def image_text_logits(
     return torch.cat(rows)
 
 
+@torch.no_grad()
+def embed_points(model: ContrastiveModel, points: PointSet) -> tuple[torch.Tensor, bool]:
+    """[B, M, d] -> (the similarity's ``embed`` vector [B, D] with the export's eval features, True),
+    or (the weighted point mean [B, d], False) when the similarity has no finite embedding (KME).
+
+    The generator is re-seeded on every call, so every chunk of a data set (and the texts) sees
+    the same random features, exactly as :func:`image_text_logits` scores them.
+    """
+    vector = model.similarity.embed(points, generator=eval_generator(model))
+    return (points.mean(), False) if vector is None else (vector, True)
+
+
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
     """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
     k = min(k, logits.shape[1])
     hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
     return float(hits.float().mean())
-
-
-def recall_at_k(logits: torch.Tensor, positives: torch.Tensor, k: int) -> float:
-    """Fraction of rows with at least one positive among the top k. logits, positives: [N, C] (bool)."""
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    return float(positives.gather(1, top).any(dim=1).float().mean())
 
 
 def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from clipkit.errors import ClipkitError
-from clipkit.evaluate import encode_images, eval_generator
+from clipkit.evaluate import embed_points, encode_images
 from clipkit.types import PointSet, Sample
 
 # ----------------------------------------------------------------------------------------------
@@ -367,12 +367,9 @@ def image_features(
     parts, used = [], "points_mean"
     for start in range(0, len(samples), batch_size):
         points = encode_images(model, samples[start : start + batch_size], batch_size)
-        embedded = None
-        if kind == "embedding":
-            # Re-seeded per call (eval_generator), so every chunk sees the same random features.
-            embedded = model.similarity.embed(points, generator=eval_generator(model))
-        used = "embed" if embedded is not None else "points_mean"
-        parts.append((points.mean() if embedded is None else embedded).float())
+        vectors, embedded = embed_points(model, points) if kind == "embedding" else (points.mean(), False)
+        used = "embed" if embedded else "points_mean"
+        parts.append(vectors.float())
     return torch.cat(parts), used
 
 
