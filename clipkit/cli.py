@@ -347,7 +347,9 @@ def print_summary(result) -> None:
     if result.export_dir:
         typer.echo(f"export: {result.export_dir}")
     if result.evals:
-        print_evals(result.evals)
+        from clipkit.report import summarize
+
+        print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
 
 
