@@ -129,6 +129,9 @@ class ModifiedResNet(nn.Module):
     ``weights`` and ``mask`` are None.
     """
 
+    #: The final projection; its input is the linear probe's "pre_projection" feature.
+    projection_module_name = "attnpool.c_proj"
+
     def __init__(
         self,
         *,

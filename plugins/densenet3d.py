@@ -105,6 +105,9 @@ class DenseNet3d(nn.Module):
     published DenseNet counts; ``head`` maps the pooled [B, F] features to [B, d].
     """
 
+    #: The final projection; its input is the linear probe's "pre_projection" feature.
+    projection_module_name = "head"
+
     def __init__(
         self,
         *,

@@ -13,8 +13,8 @@ the weighted point mean for KME, which has none); "points_mean" — the weighted
 tower's points; "pre_projection" — the image tower's representation before its final projection
 (the usual linear-probe feature, seed 000's "CLIP before projection"), pooled over points with the
 tower's own point weights (KME-CLIP App. A.2). The projection submodule is found from the encoder's
-``projection_module_name`` attribute (third-party encoders: set it), else from the table of built-in
-encoders in :func:`projection_module_name`. See :mod:`clipkit.linear_probe` for the math.
+``projection_module_name`` attribute (the built-in encoders set it; third-party encoders may).
+See :mod:`clipkit.linear_probe` for the math.
 """
 
 from __future__ import annotations
@@ -238,23 +238,11 @@ def choose(name: str, value, choices: tuple) -> None:
 
 def projection_module_name(encoder) -> str:
     """The dotted name of ``encoder``'s final projection submodule (its input is the
-    "pre_projection" feature): the encoder's ``projection_module_name`` attribute, else the
-    built-in encoders' (ViT and ResNet ``proj``; CLIP's modified ResNet ``attnpool.c_proj``, the
-    attention pool's output projection; DenseNet3d ``head``)."""
+    "pre_projection" feature), from the encoder's ``projection_module_name`` attribute (built-ins:
+    ViT and ResNet ``proj``; CLIP's modified ResNet ``attnpool.c_proj``; DenseNet3d ``head``)."""
     name = getattr(encoder, "projection_module_name", None)
     if name:
         return str(name)
-    from . import clip_resnet, densenet3d, resnet, vit
-
-    builtin = {
-        vit.VisionTransformer: "proj",
-        resnet.ResNet: "proj",
-        clip_resnet.ModifiedResNet: "attnpool.c_proj",
-        densenet3d.DenseNet3d: "head",
-    }
-    for cls, name in builtin.items():
-        if isinstance(encoder, cls):
-            return name
     raise ClipkitError(
         f"linear_probe: image encoder {type(encoder).__name__} does not name its final projection, so "
         "features='pre_projection' cannot find its input; give the encoder an attribute "

@@ -108,6 +108,9 @@ class ResNet(nn.Module):
     ``weights`` and ``mask`` are None.
     """
 
+    #: The final projection; its input is the linear probe's "pre_projection" feature.
+    projection_module_name = "proj"
+
     def __init__(
         self,
         *,

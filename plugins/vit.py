@@ -203,6 +203,9 @@ class VisionTransformer(nn.Module):
     ``weight_scale`` the scaled tanh's a) giving [B, M] weights. ``mask`` is None (all points real).
     """
 
+    #: The final projection; its input is the linear probe's "pre_projection" feature.
+    projection_module_name = "proj"
+
     def __init__(
         self,
         *,
