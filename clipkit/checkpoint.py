@@ -1,45 +1,112 @@
 """Training checkpoints: everything needed to continue a run exactly.
 
-``RUN/checkpoints/step-00000123.pt`` holds the model, optimizer, schedule, the loss's
-per-sample state (if any), the data position and every RNG state. Files are written to a
-temporary name and renamed, so a crash mid-write never corrupts the latest checkpoint;
-only the newest ``keep`` are kept.
+``RUN/checkpoints/step-00000123/`` holds
+
+- ``state.pt`` (written by the main process): step, schedule, the loss's per-sample state
+  (SogCLR/NUCLR: kept out of DeepSpeed's checkpoint on purpose, identical on every process), the
+  data position, the fp16 loss scaler, the resolved recipe, the number of processes and — without
+  DeepSpeed — the model and optimiser;
+- ``rng-<rank>.pt``: every RNG state of each process;
+- ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser.
+
+Every process writes into ``.step-00000123.partial/``; when all are done the main process renames
+it to ``step-00000123`` — one atomic rename, so a crash or ``kill -9`` mid-write never leaves a
+half checkpoint where resume would find it — then prunes all but the newest ``keep``.
+Checkpoints of multi-node runs must be on a filesystem every node sees.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from clipkit.errors import ClipkitError
-from clipkit.io import atomic_path
 
-PATTERN = re.compile(r"^step-(\d{8})\.pt$")
+PATTERN = re.compile(r"^step-(\d{8})$")
+STATE, DEEPSPEED = "state.pt", "deepspeed"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Atomically write ``state`` for ``step`` and prune all but the newest ``keep`` files."""
-    path = checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
-    with atomic_path(path) as temporary:
-        torch.save({"step": step, **state}, temporary)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    return path
+def rng_file(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rng-{rank}.pt"
+
+
+def partial_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f".step-{step:08d}.partial"
+
+
+def final_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step-{step:08d}"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    write_shards: Callable[[Path], None],
+    state: Callable[[], dict[str, Any]],
+    keep: int = 2,
+) -> Path:
+    """Write one checkpoint cooperatively; every process calls this.
+
+    ``write_shards(directory)`` runs on every process (its RNG file, DeepSpeed partitions);
+    ``state()`` is called on the main process only, after the shards are written.
+    """
+    building, final = partial_dir(run_dir, step), final_dir(run_dir, step)
+    if is_main:
+        shutil.rmtree(building, ignore_errors=True)  # leftovers of a run killed mid-write
+        building.mkdir(parents=True)
+    barrier()
+    write_shards(building)
+    barrier()
+    if is_main:
+        _save(building / STATE, {"step": step, **state()})
+        _fsync_directory(building)
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
+        os.replace(building, final)
+        _fsync_directory(final.parent)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def _save(path: Path, value: Any) -> None:
+    with open(path, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def save_rng(directory: Path, rank: int, state: dict[str, Any]) -> None:
+    _save(rng_file(directory, rank), state)
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint files of a run, oldest first."""
+    """Complete checkpoints of a run, oldest first."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name))
+    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name) and (p / STATE).is_file())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -47,9 +114,51 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint this program wrote (it holds RNG states, hence weights_only=False)."""
+def _load(path: Path) -> Any:
+    """Load a file this program wrote (it holds RNG states, hence weights_only=False)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
         raise ClipkitError(f"{path}: cannot read checkpoint ({error})") from error
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """``state.pt`` of a checkpoint directory (the model only when the run had no DeepSpeed)."""
+    if not (Path(path) / STATE).is_file():
+        raise ClipkitError(f"{path}: not a checkpoint ({STATE} is missing)")
+    return _load(Path(path) / STATE)
+
+
+def load_rng(path: Path, rank: int) -> dict[str, Any]:
+    file = rng_file(path, rank)
+    if not file.is_file():
+        raise ClipkitError(
+            f"{path}: no RNG state for process {rank}; resume with the run's number of processes"
+        )
+    return _load(file)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint's state with ``model`` always present: the fp32 weights, consolidated from
+    the ZeRO partitions for DeepSpeed runs (any stage; no process group needed)."""
+    state = load_state(path)
+    if state.get("model") is None:
+        state["model"] = consolidate_deepspeed(Path(path) / DEEPSPEED)
+    return state
+
+
+def consolidate_deepspeed(directory: Path) -> dict[str, torch.Tensor]:
+    """ZeRO 1/2/3 partitions -> one fp32 state dict (DeepSpeed's zero_to_fp32, run in-process)."""
+    if not directory.is_dir():
+        raise ClipkitError(
+            f"{directory.parent}: the checkpoint holds neither a model nor DeepSpeed partitions"
+        )
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as error:
+        raise ClipkitError(
+            f"{directory.parent} is a DeepSpeed checkpoint; "
+            "install deepspeed (pip install 'clipkit[deepspeed]')"
+        ) from error
+    state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
+    return {key: value.float().contiguous() for key, value in state.items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -117,6 +118,9 @@ def train_command(
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
 
+    if os.environ.get("RANK", "0") != "0":  # `accelerate launch`: only the main process reports
+        api.train(recipe, overrides or [], run_dir=run_dir, resume=resume, registry=registry())
+        return
     with step_progress("training", total=None) as report:
         result = api.train(
             recipe,

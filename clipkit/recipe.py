@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from clipkit.compile import COMPILE_MODES  # torch-free, like this module
 from clipkit.errors import RecipeError, UnknownNameError, close_matches
 from clipkit.registry import Registry
 
@@ -96,6 +97,32 @@ class TrainConfig:
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
     eval_every: int = 0  # run the recipe's eval tasks on the in-memory model every N steps; 0 = off
+    # Exact gradient accumulation: each process encodes its share of data.batch_size in micro-batches
+    # of this many samples (0 = all at once); the loss still sees the whole contrastive batch.
+    micro_batch_size: int = 0
+    grad_checkpointing: bool = False  # recompute encoder activations in backward (every encoder's switch)
+    nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" with a message, or "skip" the step
+    compile: str = "none"  # torch.compile the towers: none | default | reduce-overhead | max-autotune
+    distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
+
+
+@dataclass
+class DistributedConfig:
+    """``train.distributed:`` — how several processes (``accelerate launch``) share the work.
+
+    gather_with_grad / local_loss choose the gather semantics of METHODS §11 (open_clip's flag names):
+      with grad + local loss   (open_clip, WPSE)  exact: each process scores its own anchors
+      with grad + global loss  (NUCLR; default)   exact: every process scores the whole batch
+      no grad  + local loss    (SLIP)             other processes' features are constants
+      no grad  + global loss   (CLOOB, CyCLIP)    towers get 1/world_size of the full-batch gradient
+    """
+
+    strategy: str = "ddp"  # "ddp" (DistributedDataParallel; one process: plain) or "deepspeed"
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3 (strategy: deepspeed)
+    offload_optimizer: str = "none"  # "none" or "cpu" (ZeRO-Offload; DeepSpeed builds CPUAdam on first use)
+    offload_params: str = "none"  # "none" or "cpu" (ZeRO-3 only)
+    gather_with_grad: bool = True
+    local_loss: bool = False
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
@@ -113,6 +140,9 @@ TOP_LEVEL = {
 }
 TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
 PRECISIONS = ("no", "bf16", "fp16")
+NONFINITE = ("stop", "skip")
+STRATEGIES = ("ddp", "deepspeed")
+OFFLOAD = ("none", "cpu")
 PAIRS = ("image_text", "two_view")
 TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
 AUGMENT_MODES = ("sample", "batched")
@@ -362,11 +392,45 @@ def _check_values(recipe: dict) -> list[str]:
         errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
     if isinstance(data, dict):
         errors += _check_augment(data)
+    if isinstance(train, dict):
+        errors += _check_train(train)
     for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
         value = get_path(recipe, path)
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             errors.append(f"{path}: must be > 0, got {value}")
     return errors
+
+
+def _check_train(train: dict) -> list[str]:
+    errors = _check_choice(train, "train", "nonfinite", NONFINITE)
+    errors += _check_choice(train, "train", "compile", COMPILE_MODES)
+    if isinstance(train.get("micro_batch_size", 0), int) and train.get("micro_batch_size", 0) < 0:
+        errors.append("train.micro_batch_size: must be >= 0 (0 = the whole batch at once)")
+    distributed = train.get("distributed") or {}
+    if not isinstance(distributed, dict):
+        return errors + ["train.distributed: must be a mapping"]
+    errors += _check_section(distributed, "train.distributed", DistributedConfig)
+    errors += _check_choice(distributed, "train.distributed", "strategy", STRATEGIES)
+    errors += _check_choice(distributed, "train.distributed", "offload_optimizer", OFFLOAD)
+    errors += _check_choice(distributed, "train.distributed", "offload_params", OFFLOAD)
+    if distributed.get("zero_stage", 2) not in (0, 1, 2, 3):
+        stage = distributed["zero_stage"]
+        errors.append(f"train.distributed.zero_stage: must be 0, 1, 2 or 3, got {stage!r}")
+    if distributed.get("offload_params", "none") != "none" and distributed.get("zero_stage", 2) != 3:
+        errors.append("train.distributed.offload_params: parameter offload needs zero_stage: 3")
+    return errors
+
+
+def _check_choice(config: dict, where: str, key: str, choices: tuple) -> list[str]:
+    value = config.get(key, choices[0])
+    if value not in choices:
+        return [f"{where}.{key}: must be one of {', '.join(map(str, choices))}, got {value!r}"]
+    return []
+
+
+def distributed_config(recipe: dict) -> DistributedConfig:
+    """The typed ``train.distributed`` section (defaults filled in)."""
+    return DistributedConfig(**(section(recipe, "train").distributed or {}))
 
 
 def _check_augment(data: dict) -> list[str]:

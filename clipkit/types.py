@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 WEIGHT_NORMALIZATIONS = ("sum", "count")
 
 
-@dataclass(frozen=True)
-class PointSet:
+class _PointSetFields(NamedTuple):
+    points: Tensor
+    weights: Tensor | None = None
+    mask: Tensor | None = None
+    weight_normalization: str = "sum"
+
+
+class PointSet(_PointSetFields):
     """A batch of (optionally weighted, optionally masked) point sets.
 
     points:  [B, M, d]  the points; encoders L2-normalise each row unless documented otherwise.
@@ -38,14 +44,26 @@ class PointSet:
                and need not sum to 1 (the WPSE authors' scaled-tanh weights, whose weighted mean
                divides by the token count, METHODS §11).
       Both give the uniform 1/M_real when ``weights`` is None.
+
+    A NamedTuple (not a dataclass) so that libraries which walk module outputs find its tensors:
+    DeepSpeed ZeRO-3 re-gathers an encoder's parameters for backward through hooks it attaches to
+    the tensors of the encoder's output, and it looks inside tuples, lists and dicts only.
     """
 
-    points: Tensor
-    weights: Tensor | None = None
-    mask: Tensor | None = None
-    weight_normalization: str = "sum"
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
+    def __new__(
+        cls,
+        points: Tensor,
+        weights: Tensor | None = None,
+        mask: Tensor | None = None,
+        weight_normalization: str = "sum",
+    ) -> PointSet:
+        self = super().__new__(cls, points, weights, mask, weight_normalization)
+        self._validate()
+        return self
+
+    def _validate(self) -> None:
         if self.points.dim() != 3:
             raise ValueError(f"PointSet.points must be [B, M, d], got shape {tuple(self.points.shape)}")
         if self.weight_normalization not in WEIGHT_NORMALIZATIONS:
@@ -112,13 +130,14 @@ class PointSet:
         )
 
 
-@dataclass(frozen=True)
-class Logits:
+class Logits(NamedTuple):
     """Similarity logits, rows = anchors.
 
     i2t: [Na, Nb]  image anchors against text candidates.
     t2i: [Nb, Na]  text anchors against image candidates. Usually ``i2t.T``, but not for
                    CLOOB, whose Hopfield-retrieved embeddings differ per direction.
+
+    A NamedTuple for the reason :class:`PointSet` is one (DeepSpeed ZeRO-3 finds its tensors).
     """
 
     i2t: Tensor

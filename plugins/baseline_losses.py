@@ -72,6 +72,9 @@ class SigLIPLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         scores = logits.i2t
@@ -170,6 +173,9 @@ class DecoupledContrastiveLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __init__(self, weighting_sigma: float | None = None) -> None:
         if weighting_sigma is not None and not weighting_sigma > 0:
@@ -223,6 +229,9 @@ class DebiasedContrastiveLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __init__(self, tau_plus: float = 0.1, temperature: float = 0.5) -> None:
         if not 0.0 <= tau_plus < 1.0:

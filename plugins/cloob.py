@@ -82,6 +82,9 @@ class HopfieldSimilarity(nn.Module):
     a train-mode call with Na != Nb warns, since it silently skips the retrieval.
     """
 
+    # Logits depend on the whole batch (the Hopfield stores): clipkit refuses a local loss with it.
+    pairwise = False
+
     def __init__(self, beta: float = 8.0, inverse_tau: float = 30.0, learn_scale: bool = False) -> None:
         super().__init__()
         if beta < 0:
@@ -164,6 +167,9 @@ class InfoLOOB:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         image_to_text, text_to_image = _directions(logits, targets)
@@ -188,6 +194,9 @@ class CLOOBLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __init__(self, inverse_tau: float = 30.0) -> None:
         if inverse_tau <= 0:

@@ -39,7 +39,8 @@ class DotSimilarity(nn.Module):
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
         register_log_value(self, "log_scale", init_scale, learnable=learn_scale)
         self.max_scale = max_scale
-        self.bias = nn.Parameter(torch.tensor(float(bias))) if bias is not None else None
+        # [1], not 0-d: DeepSpeed cannot broadcast 0-d parameters (see register_log_value).
+        self.bias = nn.Parameter(torch.tensor([float(bias)])) if bias is not None else None
 
     def scale(self) -> Tensor:
         """0-d tensor s = exp(t), clamped to ``max_scale``."""

@@ -21,6 +21,9 @@ class InfoNCE:
     """
 
     requires: frozenset[str] = frozenset()
+    # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
+    # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
+    supports_local_loss = True
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         if not 0.0 <= label_smoothing < 1.0:

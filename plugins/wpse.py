@@ -23,6 +23,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from clipkit.plugins.dot import DotSimilarity
 from clipkit.types import Logits, PointSet
@@ -143,16 +144,104 @@ class WPSESimilarity(nn.Module):
         return f"embed_dim={self.embed_dim}, kernel={self.kernel}, {alpha}, {width}, D={self.num_features}"
 
     def _embed(self, x: PointSet, features: tuple[Tensor, Tensor]) -> Tensor:
-        """[B, M, d] and (ω [d, D], β [D]) -> [B, d + D]; materialises the [B, M, D] features."""
+        """[B, M, d] and (ω [d, D], β [D]) -> [B, d + D]; the features are pooled without holding the
+        [B, M, D] feature tensor when it exceeds one chunk (:func:`pooled_random_features`)."""
         if x.dim != self.embed_dim:
             raise ValueError(f"WPSE was built for points of dimension {self.embed_dim}, got {x.dim}")
         omega, beta = (f.to(device=x.points.device, dtype=x.points.dtype) for f in features)
-        weights = x.normalized_weights().unsqueeze(-1)  # [B, M, 1]
-        mean_points = (weights * x.points).sum(dim=1)  # ū [B, d]
-        point_features = math.sqrt(2 / self.num_features) * torch.cos(x.points @ omega + beta)  # [B, M, D]
-        mean_features = (weights * point_features).sum(dim=1)  # z̄ [B, D]
+        weights = x.normalized_weights()  # [B, M]
+        mean_points = (weights.unsqueeze(-1) * x.points).sum(dim=1)  # ū [B, d]
+        mean_features = pooled_random_features(x.points, weights, omega, beta)  # z̄ [B, D]
         alpha1, alpha2 = self.alpha
         return torch.cat([math.sqrt(alpha1) * mean_points, math.sqrt(alpha2) * mean_features], dim=1)
+
+
+#: Feature values (rows·M·D) per chunk of :func:`pooled_random_features`: 2^20 = 4 MiB in fp32.
+FEATURE_CHUNK = 1 << 20
+
+
+def pooled_random_features_unfused(points: Tensor, weights: Tensor, omega: Tensor, beta: Tensor) -> Tensor:
+    """z̄ = Σ_m w_m z(x_m), z(x) = sqrt(2/D)·cos(x ω + β), by materialising z for every point (reference).
+
+    points [B, M, d], weights [B, M] (mixture weights, 0 on masked points), ω [d, D], β [D] -> [B, D].
+    Plain autograd: saves the [B, M, D] features (and cos's input) for backward.
+    """
+    point_features = math.sqrt(2 / omega.shape[1]) * torch.cos(points @ omega + beta)  # [B, M, D]
+    return (weights.unsqueeze(-1) * point_features).sum(dim=1)
+
+
+def pooled_random_features(
+    points: Tensor, weights: Tensor, omega: Tensor, beta: Tensor, *, fused: bool | None = None
+) -> Tensor:
+    """z̄ [B, D] as :func:`pooled_random_features_unfused`, by default without ever holding the
+    [B, M, D] features when they exceed one chunk of :data:`FEATURE_CHUNK` values.
+
+    fused: True = chunk by chunk of batch rows, forward and backward (:class:`_PooledRandomFeatures`:
+    memory O(chunk), one extra GEMM in backward to recompute x ω + β); False = the unfused reference;
+    None = fused when B·M·D > FEATURE_CHUNK (below that the features are no bigger than a chunk,
+    and plain autograd is faster). The features are random and fixed within a call (ω, β carry
+    no gradient in WPSE); if a caller makes them require grad, the unfused path runs, so that
+    gradient stays exact.
+    """
+    if fused is None:
+        fused = points.shape[0] * points.shape[1] * omega.shape[1] > FEATURE_CHUNK
+    if not fused or omega.requires_grad or beta.requires_grad:
+        return pooled_random_features_unfused(points, weights, omega, beta)
+    return _PooledRandomFeatures.apply(points, weights, omega, beta)
+
+
+def _row_chunks(points: Tensor, num_features: int) -> list[slice]:
+    batch, num_points = points.shape[:2]
+    rows = max(1, FEATURE_CHUNK // max(1, num_points * num_features))
+    return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+class _PooledRandomFeatures(torch.autograd.Function):
+    """z̄_b = c Σ_m w_bm cos(x_bm·ω + β), c = sqrt(2/D), chunk by chunk of batch rows.
+
+    A custom Function rather than torch.utils.checkpoint over chunks: per chunk, backward is one
+    GEMM recomputing P = x ω + β, one GEMM for ∂x and one batched matrix-vector product for ∂w,
+
+        ∂z̄/∂w_bm = c Σ_t g_bt cos P_bmt,      ∂z̄/∂x_bm = −c w_bm Σ_t g_bt sin P_bmt ω_:t,
+
+    (sin P is one chunk-sized temporary, cos runs in place on P). Checkpointing would re-run the
+    chunk's forward under autograd (saving cos's input and output and a weighted copy, all of
+    chunk size) and then backpropagate through those ops. Saved for backward: the inputs only.
+    """
+
+    @staticmethod
+    def forward(ctx, points, weights, omega, beta):
+        batch, num_points, dim = points.shape
+        scale = math.sqrt(2 / omega.shape[1])
+        pooled = points.new_empty(batch, omega.shape[1])
+        for rows in _row_chunks(points, omega.shape[1]):
+            phases = torch.addmm(beta, points[rows].reshape(-1, dim), omega)  # P [r·M, D]
+            cosines = phases.cos_().view(-1, num_points, omega.shape[1])
+            pooled[rows] = torch.bmm(weights[rows].unsqueeze(1), cosines).squeeze(1).mul_(scale)
+        ctx.save_for_backward(points, weights, omega, beta)
+        return pooled
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_pooled):
+        points, weights, omega, beta = ctx.saved_tensors
+        need_points, need_weights = ctx.needs_input_grad[:2]
+        batch, num_points, dim = points.shape
+        count = omega.shape[1]
+        scale = math.sqrt(2 / count)
+        grad_points = points.new_empty(points.shape) if need_points else None  # contiguous
+        grad_weights = weights.new_empty(weights.shape) if need_weights else None
+        for rows in _row_chunks(points, count):
+            phases = torch.addmm(beta, points[rows].reshape(-1, dim), omega).view(-1, num_points, count)
+            upstream = grad_pooled[rows].unsqueeze(-1)  # [r, D, 1]
+            if need_points:
+                # −c w_bm g_bt sin P_bmt, then one GEMM with ωᵀ straight into the gradient's rows.
+                sines = phases.sin().mul_(grad_pooled[rows].unsqueeze(1))
+                sines.mul_(weights[rows].unsqueeze(-1) * -scale)
+                torch.mm(sines.view(-1, count), omega.t(), out=grad_points[rows].view(-1, dim))
+            if need_weights:
+                grad_weights[rows] = torch.bmm(phases.cos_(), upstream).squeeze(-1).mul_(scale)
+        return grad_points, grad_weights, None, None
 
 
 class CosineMeanSimilarity(nn.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_run_directory_layout(smoke_run):
     root, result = smoke_run
     run = result.run_dir
     assert (run / "recipe.yaml").is_file() and (run / "eval.json").is_file()
-    assert [p.name for p in list_checkpoints(run)] == ["step-00000004.pt", "step-00000008.pt"]
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004", "step-00000008"]
     assert (root / "data" / "smoke-shapes" / "manifest.json").is_file()  # sharded on first use
     report = json.loads((run / "eval.json").read_text())
     assert [r["name"] for r in report["results"]] == ["zero_shot", "retrieval"]
@@ -122,7 +123,7 @@ def test_resume_continues_exactly(smoke_run, tmp_path, monkeypatch):
     interrupted = tmp_path / "interrupted"
     (interrupted / "checkpoints").mkdir(parents=True)
     first = list_checkpoints(result.run_dir)[0]
-    (interrupted / "checkpoints" / first.name).write_bytes(first.read_bytes())
+    shutil.copytree(first, interrupted / "checkpoints" / first.name)
     (interrupted / "recipe.yaml").write_text((result.run_dir / "recipe.yaml").read_text())
 
     with pytest.raises(ClipkitError, match="is a run of recipe 'quickstart@smoke'"):

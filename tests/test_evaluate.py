@@ -74,6 +74,20 @@ def test_recall_against_a_naive_loop():
         assert result[f"t2i_R@{k}"] == pytest.approx(t2i / 20)
 
 
+def test_first_hit_ranks_equal_a_stable_sort_with_many_ties():
+    """The counting ranks equal the rank in a stable descending sort, ties and all."""
+    from clipkit.plugins.retrieval import first_hit_ranks
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = torch.randint(0, 4, (9, 15), generator=generator).float()  # heavy ties
+        positives = torch.rand(9, 15, generator=generator) < 0.25
+        positives[torch.arange(9), torch.randint(0, 15, (9,), generator=generator)] = True
+        order = logits.argsort(dim=1, descending=True, stable=True)
+        expected = positives.gather(1, order).float().argmax(dim=1) + 1
+        assert torch.equal(first_hit_ranks(logits, positives), expected)
+
+
 def test_mean_and_std_over_seeds():
     summary = mean_and_std([{"top1": 0.5}, {"top1": 0.7}, {"top1": 0.6}])
     assert summary["top1"] == pytest.approx(0.6)

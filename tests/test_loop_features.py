@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path):
 
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / first.name).write_bytes(first.read_bytes())
+    shutil.copytree(first, resumed / "checkpoints" / first.name)
     (resumed / "recipe.yaml").write_text((full / "recipe.yaml").read_text())
     api.train("nuclr@tiny", run_dir=resumed, resume=True, registry=registry())
     got = load_checkpoint(list_checkpoints(resumed)[-1])
@@ -217,7 +218,7 @@ def test_batched_augmentation_trains_two_views_and_resumes_exactly(shards, tmp_p
     first, last = list_checkpoints(full)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / first.name).write_bytes(first.read_bytes())
+    shutil.copytree(first, resumed / "checkpoints" / first.name)
     (resumed / "recipe.yaml").write_text((full / "recipe.yaml").read_text())
     api.train("yaware@tiny", run_dir=resumed, resume=True, registry=registry())
     got = load_checkpoint(list_checkpoints(resumed)[-1])["model"]

@@ -1,0 +1,111 @@
+"""Loss, gradients and per-sample state of one contrastive step, for every gather mode.
+
+Run as one process (the reference: the whole batch) or under ``torchrun --nproc_per_node 2``
+(each process encodes its half); ``tests/test_distributed.py`` compares the two. Writes
+``OUT/result-<world>.pt``: {case: {"loss", "grads", "state"}} from process 0, where "state" holds
+every process's per-sample loss buffers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from clipkit.model import build_model, build_slot
+from clipkit.recipe import DistributedConfig, load_recipe
+from clipkit.registry import default_registry
+from clipkit.runtime import Runtime, seed_everything
+from clipkit.train import accumulate_exactly, contrastive_loss, forward_loss
+
+BATCH = 8
+CASES = [  # (loss, gather_with_grad, local_loss, micro-batch size: 0 = the process's whole share)
+    ("infonce", True, False, 0),
+    ("infonce", True, True, 0),
+    ("infonce", False, False, 0),
+    ("infonce", False, True, 0),
+    ("siglip", True, False, 0),
+    ("siglip", True, True, 0),
+    ("nuclr", True, False, 0),
+    ("infonce", True, False, 2),  # exact gradient accumulation
+    ("siglip", True, True, 2),
+]
+LOSSES = {
+    "infonce": {"name": "infonce"},
+    "siglip": {"name": "siglip"},
+    "nuclr": {"name": "nuclr", "tau": 0.07, "freeze_epochs": 0.0, "zeta_lr": 0.01},
+}
+
+
+def fixed_batch(tokenizer, image_size: int) -> dict:
+    """The same global batch on every process (seeded), so each can take its rows."""
+    generator = torch.Generator().manual_seed(1234)
+    words = ["red", "green", "blue", "circle", "square", "big", "small", "star"]
+    captions = [" ".join(words[(i * 3 + j) % len(words)] for j in range(3)) for i in range(BATCH)]
+    return {
+        "image": torch.randn(BATCH, 3, image_size, image_size, generator=generator),
+        "text": tokenizer(captions),
+        "index": torch.arange(BATCH),
+        "meta": {},
+    }
+
+
+def run_case(rt, model, registry, batch, case) -> dict:
+    loss_name, with_grad, local, micro = case
+    rt.config = replace(rt.config, gather_with_grad=with_grad, local_loss=local)
+    rt.micro_batch_size = micro or rt.local_batch_size
+    loss = build_slot(registry, "loss", LOSSES[loss_name], "loss", num_samples=BATCH, total_steps=10)
+    if isinstance(loss, torch.nn.Module):
+        loss.to(rt.device)
+    trainer = SimpleNamespace(
+        runtime=rt,
+        model=model,
+        loss=loss,
+        stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
+    )
+    rows = rt.local_rows(BATCH // rt.world_size)
+    local = {key: (value[rows] if isinstance(value, torch.Tensor) else value) for key, value in batch.items()}
+    model.zero_grad(set_to_none=True)
+    if rt.micro_batches > 1:
+        out, _ = accumulate_exactly(trainer, local, 0)
+        value = out.loss.detach().clone()
+    else:
+        total, out = forward_loss(trainer, local, lambda a, b: contrastive_loss(trainer, a, b, local, step=0))
+        total.backward()
+        value = total.detach().clone()
+    if rt.world_size > 1:  # local losses differ per process; their mean is the full-batch loss
+        dist.all_reduce(value)
+        value /= rt.world_size
+    named = rt.unwrap(model).named_parameters()
+    grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+    stateful = isinstance(loss, torch.nn.Module)
+    states = [{k: v.clone() for k, v in loss.state_dict().items()} if stateful else {}]
+    if rt.world_size > 1:
+        gathered = [None] * rt.world_size
+        dist.all_gather_object(gathered, states[0])
+        states = gathered
+    return {"loss": float(value), "grads": grads, "state": states}
+
+
+def main(out: Path) -> None:
+    registry = default_registry()
+    recipe = load_recipe("quickstart@smoke", [], registry=registry)
+    rt = Runtime(seed=0, distributed=DistributedConfig(), global_batch_size=BATCH)
+    seed_everything(0)
+    model = build_model(recipe, registry)
+    batch = fixed_batch(model.tokenizer, recipe["model"]["image_size"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, _ = rt.prepare(model, optimizer)
+    results = {case: run_case(rt, model, registry, batch, case) for case in CASES}
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(results, out / f"result-{rt.world_size}.pt")
+    rt.wait()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,190 @@
+"""Several processes on CPU over gloo (issue 7): DDP and DeepSpeed ZeRO through the real launchers.
+
+- DDP loss, gradients and per-sample state equal one process on the concatenated batch, for every
+  gather mode that is exact, with and without exact gradient accumulation
+  (``tests/distributed/equivalence.py`` under ``torchrun``);
+- ``accelerate launch -m clipkit train`` with DDP and ZeRO 1/2/3 trains, checkpoints, resumes to the
+  same weights as an uninterrupted run, and exports (consolidating ZeRO partitions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipkit.checkpoint import list_checkpoints, load_checkpoint
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+RELATIVE_TOLERANCE = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    env.pop("RANK", None)
+    return env
+
+
+def run(command: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = launcher_env()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def torchrun(script: Path, *args: str, cwd: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    run(command + ["--master_port", str(free_port()), str(script), *args], cwd)
+
+
+def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The documented command: ``accelerate launch --multi_gpu --num_processes 2 ... -m clipkit ...``."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    flags = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    flags += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    return run([str(accelerate), "launch", *flags, "-m", "clipkit", *args], cwd)
+
+
+# ----------------------------------------------------------------------------- DDP == one process
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence")
+    script = HERE / "distributed" / "equivalence.py"
+    run([sys.executable, str(script), str(out)], out)
+    torchrun(script, str(out), cwd=out)
+    return tuple(torch.load(out / f"result-{world}.pt", weights_only=False) for world in (1, 2))
+
+
+def assert_grads_close(got: dict, expected: dict, scale: float = 1.0) -> None:
+    assert set(got) == set(expected)
+    size = max(t.abs().max().item() for t in expected.values())
+    for name, tensor in expected.items():
+        difference = (got[name] - scale * tensor).abs().max().item()
+        assert difference <= RELATIVE_TOLERANCE * size, f"{name}: off by {difference} (largest {size})"
+
+
+EXACT = [
+    ("infonce", True, False, 0),
+    ("infonce", True, True, 0),
+    ("siglip", True, False, 0),
+    ("siglip", True, True, 0),
+    ("nuclr", True, False, 0),
+]
+
+
+@pytest.mark.parametrize("case", EXACT, ids=lambda c: f"{c[0]}-grad-{'local' if c[2] else 'global'}")
+def test_ddp_equals_one_process_on_the_concatenated_batch(equivalence, case):
+    single, ddp = equivalence
+    assert ddp[case]["loss"] == pytest.approx(single[case]["loss"], rel=1e-6)
+    assert_grads_close(ddp[case]["grads"], single[case]["grads"])
+
+
+def test_per_sample_state_is_identical_on_every_process_and_equals_one_process(equivalence):
+    single, ddp = equivalence
+    case = ("nuclr", True, False, 0)
+    reference, states = single[case]["state"][0], ddp[case]["state"]
+    assert len(states) == 2 and reference
+    for key, value in reference.items():
+        assert torch.equal(states[0][key], states[1][key]), key  # the same update on both processes
+        assert torch.allclose(states[0][key], value, rtol=1e-6, atol=1e-7, equal_nan=True), key
+
+
+ACCUMULATED = [("infonce", True, False, 2), ("siglip", True, True, 2)]
+
+
+@pytest.mark.parametrize("case", ACCUMULATED, ids=["global", "local"])
+def test_exact_accumulation_across_processes_equals_the_full_batch(equivalence, case):
+    single, ddp = equivalence
+    full = (case[0], case[1], case[2], 0)
+    for result in (single[case], ddp[case]):  # one process in 4 micro-batches; two in 2 each
+        assert result["loss"] == pytest.approx(single[full]["loss"], rel=1e-6)
+        assert_grads_close(result["grads"], single[full]["grads"])
+
+
+def test_gather_without_grad_global_loss_gives_towers_one_over_world_size(equivalence):
+    """CLOOB's/CyCLIP's mode: every process scores the whole batch but only its own features carry
+    gradient; after DDP's averaging the towers get 1/W of the full-batch gradient and the
+    similarity's own parameters the full one (METHODS §11) — documented, not exact."""
+    single, ddp = equivalence
+    case = ("infonce", False, False, 0)
+    expected = single[case]["grads"]
+    towers = {k: v for k, v in expected.items() if not k.startswith("similarity.")}
+    own = {k: v for k, v in expected.items() if k.startswith("similarity.")}
+    assert own, "the similarity has a learnable scale"
+    assert_grads_close({k: ddp[case]["grads"][k] for k in towers}, towers, scale=0.5)
+    assert_grads_close({k: ddp[case]["grads"][k] for k in own}, own)
+
+
+# ----------------------------------------------------------------------------- launched trainings
+
+STRATEGIES = {
+    "ddp": [],
+    "zero1": ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=1"],
+    # DeepSpeed's own bf16 (half-precision parameters, fp32 master weights).
+    "zero2-bf16": [
+        "train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2", "train.precision=bf16"
+    ],
+    # Evaluation during training gathers the shards; the logit scale starts above its clamp (100),
+    # which the forward pass applies to the sharded parameter.
+    "zero3": ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3", "train.eval_every=2",
+              "similarity.init_scale=150.0"],
+}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """quickstart@smoke's shards, made once (each launch would otherwise make them)."""
+    root = tmp_path_factory.mktemp("launch")
+    run([sys.executable, "-m", "clipkit", "shard", "synthetic://shapes?n=512&split=train&image_size=48",
+         str(root / "data" / "smoke-shapes")], root)
+    return root
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_launch_train_checkpoint_resume_export(shards, strategy):
+    if strategy != "ddp":
+        pytest.importorskip("deepspeed")
+    root = shards
+    common = ["quickstart@smoke", "train.steps=4", "train.checkpoint_every=2", "train.log_every=1",
+              *STRATEGIES[strategy]]
+    full, resumed = root / f"{strategy}-full", root / f"{strategy}-resumed"
+    accelerate_launch("train", *common, "--run-dir", str(full), cwd=root)
+    steps = [p.name for p in list_checkpoints(full)]
+    assert steps == ["step-00000002", "step-00000004"]
+    assert (full / "export" / "model.safetensors").is_file() and (full / "eval.json").is_file()
+
+    # Resume from step 2 in a copy: the weights at step 4 equal the uninterrupted run's.
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "recipe.yaml", resumed / "recipe.yaml")
+    shutil.copytree(full / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    accelerate_launch("train", "quickstart@smoke", "--resume", "--run-dir", str(resumed), cwd=root)
+    expected = load_checkpoint(list_checkpoints(full)[-1])
+    got = load_checkpoint(list_checkpoints(resumed)[-1])
+    assert expected["step"] == got["step"] == 4
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+
+    # One process exports the (consolidated) checkpoint and evaluates it.
+    run([sys.executable, "-m", "clipkit", "export", str(resumed), str(root / f"{strategy}-export")], root)
+    done = run([sys.executable, "-m", "clipkit", "eval", str(root / f"{strategy}-export")], root)
+    assert "zero_shot" in done.stdout
+    if strategy == "zero3":
+        logged = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+        assert any(key.startswith("eval/") for row in logged for key in row)  # gathered for evaluation
+        assert [row["logit_scale"] for row in logged if "logit_scale" in row] == [100.0] * 4  # clamped

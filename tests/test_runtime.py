@@ -1,0 +1,344 @@
+"""One-process runtime features (issue 7): precision, non-finite handling, exact accumulation,
+gradient checkpointing, recipe checks, the DeepSpeed config, and kill -9 then bit-identical resume."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipkit.checkpoint import list_checkpoints, load_checkpoint
+from clipkit.deepspeed_config import deepspeed_config
+from clipkit.errors import ClipkitError, RecipeError
+from clipkit.recipe import load_recipe, validate_or_raise
+from clipkit.registry import default_registry
+from clipkit.runtime import split_batch
+from clipkit.train import accumulate_exactly, build_trainer, contrastive_loss, forward_loss, train_loop
+
+SMOKE = "quickstart@smoke"
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return default_registry()
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def trainer_for(registry, run_dir: Path, *overrides: str):
+    recipe = validate_or_raise(load_recipe(SMOKE, list(overrides), registry=registry), registry)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return build_trainer(recipe, run_dir, registry)
+
+
+def first_batch(trainer) -> dict:
+    return trainer.runtime.to_device(next(iter(trainer.stream)))
+
+
+def parameters(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.runtime.unwrap(trainer.model).named_parameters()}
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+def gradients(trainer) -> dict[str, torch.Tensor]:
+    named = trainer.runtime.unwrap(trainer.model).named_parameters()
+    return {k: p.grad.detach().clone() for k, p in named if p.grad is not None}
+
+
+def test_exact_accumulation_equals_the_full_batch(registry, in_tmp):
+    full = trainer_for(registry, in_tmp / "a")
+    micro = trainer_for(registry, in_tmp / "b", "train.micro_batch_size=8")  # 32 = 4 × 8
+    assert micro.runtime.micro_batches == 4
+    batch = first_batch(full)
+    loss, out = forward_loss(full, batch, lambda a, b: contrastive_loss(full, a, b, batch, 0))
+    loss.backward()
+    accumulated, finite = accumulate_exactly(micro, batch, 0)
+    assert finite
+    assert float(accumulated.loss.detach()) == pytest.approx(float(out.loss.detach()), rel=1e-6)
+    expected, got = gradients(full), gradients(micro)
+    assert set(expected) == set(got) and "similarity.log_scale" in got
+    largest = max(t.abs().max().item() for t in expected.values())
+    for name, tensor in expected.items():
+        assert (got[name] - tensor).abs().max().item() <= 1e-5 * largest, name
+
+
+def test_naive_micro_batches_would_differ(registry, in_tmp):
+    """The check above can fail: the mean of per-micro-batch losses (fewer negatives) is another loss."""
+    trainer = trainer_for(registry, in_tmp / "a")
+    batch = first_batch(trainer)
+    _, whole = forward_loss(trainer, batch, lambda a, b: contrastive_loss(trainer, a, b, batch, 0))
+    pieces = []
+    for start in range(0, 32, 8):
+        piece = {k: (v[start : start + 8] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        compute = lambda a, b, p=piece: contrastive_loss(trainer, a, b, p, 0)  # noqa: E731
+        pieces.append(forward_loss(trainer, piece, compute)[1])
+    naive = sum(float(p.loss.detach()) for p in pieces) / len(pieces)
+    assert abs(naive - float(whole.loss.detach())) > 0.1
+
+
+def test_accumulation_is_refused_for_per_sample_state(registry, in_tmp):
+    with pytest.raises(ClipkitError, match="per-sample state"):
+        trainer_for(registry, in_tmp / "a", "loss.name=sogclr", "train.micro_batch_size=8")
+
+
+def test_batch_must_split_into_micro_batches(registry, in_tmp):
+    with pytest.raises(ClipkitError, match="micro_batch_size 5 does not divide"):
+        trainer_for(registry, in_tmp / "a", "train.micro_batch_size=5")
+    assert split_batch(512, 64, 8) == (64, 64)
+    assert split_batch(512, 16, 8) == (64, 16)
+    with pytest.raises(ClipkitError, match="does not divide among 3 processes"):
+        split_batch(512, 0, 3)
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def test_bf16_runs_the_towers_in_bf16_and_the_loss_in_fp32(registry, in_tmp):
+    trainer = trainer_for(registry, in_tmp / "a", "train.precision=bf16")
+    model = trainer.runtime.unwrap(trainer.model)
+    seen = {}
+
+    def record(module, inputs, output):
+        seen.setdefault("tower", output.points.dtype)
+
+    model.image_encoder.register_forward_hook(record)
+
+    def compute(a, b):
+        seen["loss_input"] = a.points.dtype
+        out = contrastive_loss(trainer, a, b, batch, 0)
+        seen["loss"] = out.loss.dtype
+        return out
+
+    batch = first_batch(trainer)
+    forward_loss(trainer, batch, compute)
+    assert seen == {"tower": torch.bfloat16, "loss_input": torch.bfloat16, "loss": torch.float32}
+
+
+def test_fp16_uses_a_grad_scaler_that_skips_overflowing_steps(registry, in_tmp):
+    from clipkit.train import train_step
+
+    trainer = trainer_for(registry, in_tmp / "a", "train.precision=fp16", "train.steps=12")
+    assert trainer.runtime.scaler is not None
+    before = parameters(trainer)
+    # A scale so large that the scaled fp16 gradients overflow (fp16 max 65504): inf gradients.
+    trainer.runtime.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**32)
+    batch = first_batch(trainer)
+    outcome = train_step(trainer, batch, 0)
+    assert not outcome.applied and trainer.skipped_steps == 1
+    assert trainer.runtime.scaler.get_scale() == 2.0**31  # halved
+    for name, tensor in parameters(trainer).items():
+        assert torch.equal(tensor, before[name]), name  # the overflowing step changed nothing
+    steps = 1
+    while not outcome.applied and steps < 40:  # fp16 gradients overflow above ~2^16: halve until they fit
+        outcome, steps = train_step(trainer, batch, steps), steps + 1
+    assert outcome.applied and trainer.skipped_steps == steps - 1
+    assert any(not torch.equal(t, before[k]) for k, t in parameters(trainer).items())
+
+
+# ----------------------------------------------------------------------------- non-finite losses
+
+
+class PoisonAt:
+    """Wraps a loss; its value is NaN at one step."""
+
+    def __init__(self, loss, step):
+        self.loss, self.step, self.requires = loss, step, loss.requires | {"step"}
+
+    def __call__(self, logits, targets, ctx):
+        out = self.loss(logits, targets, ctx)
+        if ctx.step == self.step:
+            return type(out)(loss=out.loss * float("nan"), metrics=out.metrics)
+        return out
+
+
+def test_nonfinite_loss_stops_with_the_step_by_default(registry, in_tmp):
+    trainer = trainer_for(registry, in_tmp / "a", "train.steps=4")
+    trainer.loss = PoisonAt(trainer.loss, 2)
+    with pytest.raises(ClipkitError, match=r"step 3: the loss is nan; stopping"):
+        train_loop(trainer)
+
+
+def test_nonfinite_loss_skips_the_step_when_asked(registry, in_tmp):
+    trainer = trainer_for(registry, in_tmp / "a", "train.steps=4", "train.nonfinite=skip")
+    trainer.loss = PoisonAt(trainer.loss, 2)
+    seen = []
+    original = trainer.runtime.step
+
+    def spy(model, optimizer):
+        seen.append(True)
+        return original(model, optimizer)
+
+    trainer.runtime.step = spy
+    metrics = train_loop(trainer)
+    assert trainer.skipped_steps == 1 and len(seen) == 3  # step 3 never reached the optimiser
+    assert metrics["skipped_steps"] == 1 and metrics["loss"] == pytest.approx(metrics["loss"])
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+
+def test_grad_checkpointing_switch_gives_the_same_gradients(registry, in_tmp):
+    plain = trainer_for(registry, in_tmp / "a")
+    checkpointed = trainer_for(registry, in_tmp / "b", "train.grad_checkpointing=true")
+    modules = checkpointed.model.modules()
+    switches = [m.grad_checkpointing for m in modules if hasattr(m, "grad_checkpointing")]
+    assert switches and all(switches)
+    batch = first_batch(plain)
+    for trainer in (plain, checkpointed):
+        loss, _ = forward_loss(trainer, batch, lambda a, b, t=trainer: contrastive_loss(t, a, b, batch, 0))
+        loss.backward()
+    expected, got = gradients(plain), gradients(checkpointed)
+    for name, tensor in expected.items():
+        assert torch.allclose(got[name], tensor, rtol=1e-5, atol=1e-7), name
+
+
+# ----------------------------------------------------------------------------- recipe checks
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.nonfinite=ignore", "train.nonfinite: must be one of stop, skip"),
+        ("train.distributed.strategy=fsdp", "train.distributed.strategy: must be one of ddp, deepspeed"),
+        ("train.distributed.zero_stage=4", "train.distributed.zero_stage: must be 0, 1, 2 or 3"),
+        ("train.distributed.gather_grad=true", "train.distributed.gather_grad: unknown key"),
+        ("train.distributed.offload_params=cpu", "parameter offload needs zero_stage: 3"),
+        ("train.micro_batch_size=-1", "train.micro_batch_size: must be >= 0"),
+        ("train.compile=fast", "train.compile: must be one of none, default"),
+    ],
+)
+def test_recipe_errors_name_the_key(registry, override, message):
+    with pytest.raises(RecipeError, match=message):
+        validate_or_raise(load_recipe(SMOKE, [override], registry=registry), registry)
+
+
+def test_launcher_deepspeed_must_agree_with_the_recipe(registry, in_tmp, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ClipkitError, match="train.distributed.strategy is 'ddp'"):
+        trainer_for(registry, in_tmp / "a")
+
+
+def test_deepspeed_config_is_derived_from_the_recipe():
+    config = deepspeed_config(
+        zero_stage=3, precision="bf16", micro_batch_size=16, micro_batches=4, world_size=8, grad_clip=1.0,
+        offload_optimizer="cpu", offload_params="cpu",
+    )
+    assert config["train_batch_size"] == 512 and config["gradient_accumulation_steps"] == 4
+    assert config["train_micro_batch_size_per_gpu"] == 16 and config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    plain = deepspeed_config(
+        zero_stage=1, precision="no", micro_batch_size=8, micro_batches=1, world_size=2, grad_clip=0.0
+    )
+    assert "gradient_clipping" not in plain and not plain["bf16"]["enabled"]
+    assert "offload_optimizer" not in plain["zero_optimization"]
+
+
+# ----------------------------------------------------------------------------- kill -9, then resume
+
+
+def train_command(run_dir: Path, *extra: str) -> list[str]:
+    overrides = ["train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+    overrides.append("train.export=false")
+    return [sys.executable, "-m", "clipkit", "train", SMOKE, *overrides, "--run-dir", str(run_dir), *extra]
+
+
+def newest_step(run_dir: Path) -> int:
+    """The highest step with a checkpoint being written or written (0 before the first)."""
+    directory = run_dir / "checkpoints"
+    names = [p.name for p in directory.glob("*step-*")] if directory.is_dir() else []
+    return max((int(re.search(r"step-(\d+)", name).group(1)) for name in names), default=0)
+
+
+def final_state(run_dir: Path) -> dict:
+    state = load_checkpoint(list_checkpoints(run_dir)[-1])
+    assert state["step"] == 10
+    return state
+
+
+def assert_identical(got: dict, expected: dict) -> None:
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+    flat_expected = expected["optimizer"]["state"]
+    for index, slots in flat_expected.items():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got["optimizer"]["state"][index][slot], value), (index, slot)
+    assert got["schedule"] == expected["schedule"] and got["data"] == expected["data"]
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
+    expected = final_state(in_tmp / "reference")
+    chooser = random.Random(int(os.environ.get("CLIPKIT_KILL_SEED", "7")))
+    killed = 0
+    for attempt in range(3):
+        run_dir = in_tmp / f"killed-{attempt}"
+        target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
+        process = subprocess.Popen(train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while newest_step(run_dir) < target and process.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(chooser.random() * 0.3)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        if process.returncode == 0:  # finished before the kill landed: nothing to resume
+            continue
+        killed += 1
+        resume = ["--resume"] if list_checkpoints(run_dir) else []  # killed before the first one completed
+        subprocess.run(train_command(run_dir, *resume), cwd=in_tmp, env=env, check=True, capture_output=True)
+        assert_identical(final_state(run_dir), expected)
+    assert killed >= 2, "the kills should land before the 10-step runs finish"
+
+
+def every_recipe(registry) -> list[str]:
+    from clipkit.recipe import variants_of
+
+    names = []
+    for name in registry.names("recipe"):
+        names += [name] + [f"{name}@{variant}" for variant in variants_of(name, registry)]
+    return names
+
+
+def test_every_recipe_with_a_local_loss_can_compute_it(registry):
+    """A recipe asking for local_loss must name a loss that is a mean over anchors and a pairwise
+    similarity, else multi-process training would refuse it (checked here without processes)."""
+    from clipkit.model import build_slot
+    from clipkit.recipe import distributed_config, section
+
+    checked = 0
+    for spec in every_recipe(registry):
+        recipe = validate_or_raise(load_recipe(spec, [], registry=registry), registry)
+        if not distributed_config(recipe).local_loss:
+            continue
+        loss = build_slot(registry, "loss", recipe["loss"], "loss", num_samples=64, total_steps=10)
+        embed_dim = section(recipe, "model").embed_dim
+        with torch.device("meta"):
+            config = recipe["similarity"]
+            similarity = build_slot(registry, "similarity", config, "similarity", embed_dim=embed_dim)
+        assert getattr(loss, "supports_local_loss", False), spec
+        assert getattr(similarity, "pairwise", True), spec
+        checked += 1
+    assert checked >= 8
