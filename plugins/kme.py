@@ -356,6 +356,15 @@ def _triton_applies(a: PointSet, b: PointSet) -> bool:
     return kme_triton.available()
 
 
+#: ``matmul_dtype`` values: the dtype of the points in the u·v products.
+MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _points_as(x: PointSet, dtype: torch.dtype) -> PointSet:
+    """The same point set with its points (only) in ``dtype``; differentiable."""
+    return PointSet(x.points.to(dtype), x.weights, x.mask, x.weight_normalization)
+
+
 class KMESimilarity(nn.Module):
     """KME-CLIP (METHODS.md §3): L_ab = log Σ_ij w_i w'_j exp(γ(u_i·v_j − 1)), γ = exp(t).
 
@@ -369,6 +378,11 @@ class KMESimilarity(nn.Module):
     implementation: "auto" (the fused triton kernels for bf16/fp16 CUDA points, or fp32 with TF32
                  allowed, when triton imports; else the block-wise path), "blockwise", "triton"
                  or "naive" (the reference; tests and benchmarks only).
+    matmul_dtype: "float32" (default: the loop hands the similarity fp32 points, METHODS §11) or
+                 "bfloat16": the points are rounded to bf16 for the u·v products (fp32
+                 accumulation and log-sum-exp), which on CUDA selects the Triton tensor-core
+                 kernels. Opt-in: a dot product off by bf16 rounding (~2^-8 relative) moves a
+                 logit by up to γ times that.
 
     ``embed`` returns None (the log of a kernel sum does not factorise into one matrix product);
     ``ensemble`` unions the prompts' weighted point sets (mean of RKHS embeddings).
@@ -381,8 +395,11 @@ class KMESimilarity(nn.Module):
         max_gamma: float | None = 100.0,
         block_size: int | None = None,
         implementation: str = "auto",
+        matmul_dtype: str = "float32",
     ) -> None:
         super().__init__()
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {tuple(MATMUL_DTYPES)}, got {matmul_dtype!r}")
         if not init_gamma > 0:
             raise ValueError(f"init_gamma must be > 0, got {init_gamma}")
         if max_gamma is not None and not max_gamma > 0:
@@ -395,13 +412,20 @@ class KMESimilarity(nn.Module):
         self.max_gamma = max_gamma
         self.block_size = None if block_size is None else int(block_size)
         self.implementation = implementation
+        self.matmul_dtype = MATMUL_DTYPES[matmul_dtype]
 
     def gamma(self) -> Tensor:
         """0-d tensor γ = exp(t), clamped to ``max_gamma``."""
         return clamped_exp(self.log_gamma, self.max_gamma)
 
     def forward(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits:
-        """a: [Na, Mx, d], b: [Nb, My, d] -> Logits(i2t [Na, Nb], t2i = i2t.T). ``generator`` is unused."""
+        """a: [Na, Mx, d], b: [Nb, My, d] -> Logits(i2t [Na, Nb], t2i = i2t.T). ``generator`` is unused.
+
+        With ``matmul_dtype="bfloat16"`` the points enter the u·v products rounded to bf16 (fp32
+        accumulation and log-sum-exp): on CUDA this selects the Triton tensor-core kernels.
+        """
+        if self.matmul_dtype != torch.float32:
+            a, b = _points_as(a, self.matmul_dtype), _points_as(b, self.matmul_dtype)
         return Logits.symmetric(kme_logits(a, b, self.gamma(), self.block_size, self.implementation))
 
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> None:

@@ -280,3 +280,24 @@ def test_triton_bf16_points_accumulate_in_fp32():
     b = on_device(random_set(5, 17, 32, seed=15, dtype=torch.bfloat16))
     gamma = torch.tensor(14.0, device=TRITON_DEVICE, requires_grad=True)
     check_against_naive(triton_logits, a, b, gamma, rtol=1e-5, atol=1e-5, grad_rtol=2**-7, grad_atol=2**-7)
+
+
+def test_bfloat16_matmul_option_rounds_only_the_points():
+    """matmul_dtype="bfloat16": the logits equal fp32 KME on bf16-rounded points (weights kept), and
+    the gradient still reaches the fp32 points."""
+    from clipkit.plugins.kme import KMESimilarity
+
+    a = random_set(5, 7, 16, seed=21, dtype=torch.float32)
+    b = random_set(4, 3, 16, seed=22, dtype=torch.float32, weighted=False)
+    fast, exact = KMESimilarity(matmul_dtype="bfloat16"), KMESimilarity()
+    got = fast(a, b).i2t
+    rounded_a = PointSet(a.points.detach().to(torch.bfloat16).float(), a.weights, a.mask)
+    rounded_b = PointSet(b.points.detach().to(torch.bfloat16).float(), b.weights, b.mask)
+    expected = exact(rounded_a, rounded_b).i2t
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, exact(a, b).i2t, rtol=1e-7, atol=1e-7)  # the rounding is real
+    got.sum().backward()
+    assert a.points.grad is not None and a.points.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        KMESimilarity(matmul_dtype="float16")
