@@ -103,9 +103,10 @@ def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int 
 
 @torch.no_grad()
 def image_text_logits(
-    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 256, seed: int | None = None
+    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 1024, seed: int | None = None
 ) -> torch.Tensor:
-    """[N_images, N_texts] similarity logits, computed in image chunks.
+    """[N_images, N_texts] similarity logits, computed in image chunks (memory: chunk × N_texts
+    logits; a similarity may recompute the texts' side once per chunk, e.g. WPSE's features).
 
     Every chunk gets a generator seeded identically (``seed``, default the export's eval_seed), so
     a random-feature similarity uses one feature draw for the whole matrix.

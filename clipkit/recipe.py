@@ -185,6 +185,9 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
             apply_override(config, key, value)
     apply_overrides(config, overrides, spec)
     resolved = OmegaConf.to_container(config, resolve=True)
+    train = resolved.get("train")
+    if isinstance(train, dict) and train.get("precision") is False:
+        train["precision"] = "no"  # YAML 1.1 reads an unquoted `no` (train.precision=no) as false
     resolved["name"] = spec if Path(base_name).suffix not in (".yaml", ".yml") else Path(base_name).stem
     resolved["overrides"] = list(overrides)
     return resolved

@@ -94,7 +94,8 @@ class Runtime:
 
     @property
     def micro_batches(self) -> int:
-        return self.local_batch_size // self.micro_batch_size
+        """Forwards per optimiser step on this process (1 without a batch size)."""
+        return self.local_batch_size // self.micro_batch_size if self.micro_batch_size else 1
 
     def _deepspeed_config(self, world_size: int) -> dict:
         from clipkit.deepspeed_config import deepspeed_config

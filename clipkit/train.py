@@ -597,6 +597,8 @@ def step_metrics(
         metrics["grad_norm"] = outcome.grad_norm
     metrics["skipped_steps"] = trainer.skipped_steps
     metrics["samples_per_s"] = samples_per_s
+    if rt.device.type == "cuda":  # this process's peak, for memory budgets (docs/benchmarks.md)
+        metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
     return {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
 
 

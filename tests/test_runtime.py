@@ -342,3 +342,9 @@ def test_every_recipe_with_a_local_loss_can_compute_it(registry):
         assert getattr(similarity, "pairwise", True), spec
         checked += 1
     assert checked >= 8
+
+
+def test_unquoted_no_precision_means_fp32(registry):
+    """`train.precision=no` on a command line is YAML's boolean false; it means fp32, as written."""
+    recipe = validate_or_raise(load_recipe(SMOKE, ["train.precision=no"], registry=registry), registry)
+    assert recipe["train"]["precision"] == "no"
