@@ -46,11 +46,15 @@ def deepspeed_config(
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        # Optimisers are plugins (any torch.optim.Optimizer); ZeRO partitions their param groups
+        # whatever the class, but refuses classes outside its own list unless told.
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # clipkit logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
-    if grad_clip > 0:
-        config["gradient_clipping"] = float(grad_clip)
+    # Always explicit: DeepSpeed's own default clips the global norm at 1.0, which would silently
+    # change a recipe that does not clip (found by tests/test_distributed.py's DDP comparison).
+    config["gradient_clipping"] = float(grad_clip) if grad_clip > 0 else 0.0
     if offload_optimizer == "cpu":
         config["zero_force_ds_cpu_optimizer"] = False  # clipkit's own optimiser plugin stays in charge
     return config

@@ -238,11 +238,13 @@ class Runtime:
         return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor, model, *, last: bool = True) -> None:
-        """Accumulate gradients of ``loss``. Under DeepSpeed the engine reduces them at ``last``;
-        the caller's micro-batch surrogate already carries the full-batch scale (no 1/k)."""
+        """Accumulate gradients of ``loss``; the caller's micro-batch surrogates already carry the
+        full-batch scale. DeepSpeed reduces at ``last`` and divides every micro-batch's gradient by
+        the accumulation steps (its hooks on the engine's outputs do so whatever ``scale_wrt_gas``
+        says), so the loss is multiplied back first."""
         if self.uses_deepspeed:
             model.set_gradient_accumulation_boundary(last)
-            model.backward(loss, scale_wrt_gas=False)
+            model.backward(loss * self.micro_batches)
         elif self.scaler is not None:
             self.scaler.scale(loss).backward()
         else:

@@ -179,6 +179,12 @@ def check_loss_fits_runtime(loss, similarity, runtime: Runtime) -> None:
             f"(METHODS §11: SogCLR/NUCLR forbid accumulation); "
             f"use micro_batch_size 0 and a batch that fits, or more processes"
         )
+    if runtime.micro_batches > 1 and runtime.uses_deepspeed and runtime.config.zero_stage == 3:
+        raise ClipkitError(
+            "train.micro_batch_size: exact gradient accumulation is not supported under ZeRO-3 (its loss "
+            "pass runs the similarity outside DeepSpeed's forward, where ZeRO-3 has partitioned its "
+            "parameters); use zero_stage 2, DDP, or more processes"
+        )
     if runtime.config.local_loss and runtime.world_size > 1:
         if not getattr(loss, "supports_local_loss", False):
             raise ClipkitError(
@@ -411,7 +417,7 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
     3. re-encode each micro-batch with gradient and back-propagate Σ features · g (its share of
        the full-batch gradient); the last one also back-propagates the loss recomputed on the
        detached cache, which gives the similarity's own parameters (logit scale) their gradient.
-    Every pass runs inside the model's forward (see :func:`forward_loss`).
+    Passes 1 and 3 run inside the model's forward (see :func:`forward_loss`); pass 2 needs no parameter.
     """
     rt, model = trainer.runtime, trainer.model
     micro = split_batch_rows(batch, rt.micro_batch_size)
@@ -419,14 +425,14 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
         parts = [model(piece) for piece in micro]
     cached_a = leaf_points(concat_points([p[0] for p in parts]))
     cached_b = leaf_points(concat_points([p[1] for p in parts]))
-    with rt.no_sync(model, last=False):  # no parameter gradient in this pass: nothing to reduce
-        loss, out = forward_loss(
-            trainer, None, lambda *_: contrastive_loss(trainer, cached_a, cached_b, batch, step)
-        )
-        if not loss_is_finite(trainer, out, step):
-            return out, False
-        leaves = point_tensors(cached_a) + point_tensors(cached_b)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    # Outside the model's forward on purpose: only the cached features' gradient is wanted, and
+    # DDP / DeepSpeed hooks must not see a backward that reduces nothing (ZeRO-3 is refused).
+    with rt.full_precision():
+        out = contrastive_loss(trainer, cached_a, cached_b, batch, step)
+    if not loss_is_finite(trainer, out, step):
+        return out, False
+    leaves = point_tensors(cached_a) + point_tensors(cached_b)
+    grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
     rows = rt.micro_batch_size
     for k, piece in enumerate(micro):
         last = k == len(micro) - 1

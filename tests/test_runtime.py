@@ -96,6 +96,12 @@ def test_accumulation_is_refused_for_per_sample_state(registry, in_tmp):
         trainer_for(registry, in_tmp / "a", "loss.name=sogclr", "train.micro_batch_size=8")
 
 
+def test_accumulation_is_refused_under_zero3(registry, in_tmp):
+    zero3 = ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3"]
+    with pytest.raises(ClipkitError, match="not supported under ZeRO-3"):
+        trainer_for(registry, in_tmp / "a", *zero3, "train.micro_batch_size=8")
+
+
 def test_batch_must_split_into_micro_batches(registry, in_tmp):
     with pytest.raises(ClipkitError, match="micro_batch_size 5 does not divide"):
         trainer_for(registry, in_tmp / "a", "train.micro_batch_size=5")
@@ -247,7 +253,7 @@ def test_deepspeed_config_is_derived_from_the_recipe():
     plain = deepspeed_config(
         zero_stage=1, precision="no", micro_batch_size=8, micro_batches=1, world_size=2, grad_clip=0.0
     )
-    assert "gradient_clipping" not in plain and not plain["bf16"]["enabled"]
+    assert plain["gradient_clipping"] == 0.0 and not plain["bf16"]["enabled"]  # DeepSpeed's default is 1.0
     assert "offload_optimizer" not in plain["zero_optimization"]
 
 
