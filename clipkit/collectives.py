@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+MAX_DIMS = 8  # blocks are [n, ...] with at most this many dimensions (point sets have 3)
+
 
 def world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
@@ -29,16 +31,23 @@ def world() -> tuple[int, int]:
 def _all_gather_blocks(tensor: torch.Tensor) -> list[torch.Tensor]:
     """[n, ...] on every process -> W blocks [n, ...] (rank order); bools travel as uint8 (gloo)."""
     _, size = world()
-    shapes = [None] * size
-    dist.all_gather_object(shapes, tuple(tensor.shape))
-    if len(set(shapes)) != 1:
-        raise RuntimeError(
-            f"processes hold differently shaped blocks {shapes}; the gather needs equal shapes"
-        )
+    _check_same_shape(tensor, size)
     sendable = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
     blocks = [torch.empty_like(sendable) for _ in range(size)]
     dist.all_gather(blocks, sendable.contiguous())
     return [block.to(torch.bool) for block in blocks] if tensor.dtype == torch.bool else blocks
+
+
+def _check_same_shape(tensor: torch.Tensor, size: int) -> None:
+    """Raise (instead of hanging or mixing rows) when processes hold differently shaped blocks.
+    One small tensor all-gather (no pickling), so it stays cheap on NCCL."""
+    padded = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim())
+    shape = torch.tensor(padded, dtype=torch.long, device=tensor.device)
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape)
+    if not all(torch.equal(other, shape) for other in shapes):
+        found = [tuple(d for d in other.tolist() if d >= 0) for other in shapes]
+        raise RuntimeError(f"processes hold differently shaped blocks {found}; the gather needs equal shapes")
 
 
 class _GatherWithGrad(torch.autograd.Function):
