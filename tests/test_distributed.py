@@ -131,6 +131,12 @@ def test_gather_without_grad_global_loss_gives_towers_one_over_world_size(equiva
     assert_grads_close({k: ddp[case]["grads"][k] for k in own}, own)
 
 
+def test_differently_shaped_blocks_raise_instead_of_hanging(tmp_path):
+    torchrun(HERE / "distributed" / "mismatch.py", str(tmp_path / "message.txt"), cwd=tmp_path)
+    message = (tmp_path / "message.txt").read_text()
+    assert "differently shaped blocks [(4, 3, 2), (5, 3, 2)]" in message
+
+
 # ----------------------------------------------------------------------------- launched trainings
 
 STRATEGIES = {
