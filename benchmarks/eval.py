@@ -131,13 +131,13 @@ class PlainPreprocess:
 @torch.no_grad()
 def encode_in_batches(encode, items: list, batch_size: int = 256):
     """Concatenated PointSets of ``encode`` over batches of ``items`` (stacked tensors or text lists)."""
-    from clipkit.evaluate import cat_points
+    from clipkit.types import PointSet
 
     parts = []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         parts.append(encode(torch.stack(chunk) if isinstance(chunk[0], torch.Tensor) else chunk))
-    return cat_points(parts)
+    return PointSet.cat(parts)
 
 
 def bare_zero_shot(model, shards: Path) -> dict[str, float]:

@@ -25,6 +25,7 @@ class TrainResult:
     export_dir: Path | None = None
     evals: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    is_main: bool = True  # False on every process but 0 under `accelerate launch`
 
 
 def resolve(spec: str, overrides: list[str], registry: Registry | None = None) -> dict:
@@ -110,7 +111,7 @@ def train(
     prepare_run_dir(recipe, run_dir, resume=resume)
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
     metrics = train_loop(trainer, progress=progress)
-    result = TrainResult(run_dir=Path(run_dir), metrics=metrics)
+    result = TrainResult(run_dir=Path(run_dir), metrics=metrics, is_main=trainer.runtime.is_main)
     if section(recipe, "train").export and trainer.runtime.is_main:
         result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
         if recipe.get("eval"):

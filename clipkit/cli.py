@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -117,11 +116,9 @@ def train_command(
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
+    from clipkit.runtime import launched_as_main
 
-    if os.environ.get("RANK", "0") != "0":  # `accelerate launch`: only the main process reports
-        api.train(recipe, overrides or [], run_dir=run_dir, resume=resume, registry=registry())
-        return
-    with step_progress("training", total=None) as report:
+    with step_progress("training", total=None, enabled=launched_as_main()) as report:
         result = api.train(
             recipe,
             overrides or [],
@@ -130,7 +127,8 @@ def train_command(
             registry=registry(),
             progress=lambda done, total, metrics: report(completed=done, total=total, metrics=metrics),
         )
-    print_summary(result)
+    if result.is_main:  # under `accelerate launch` only process 0 reports
+        print_summary(result)
 
 
 @fails_cleanly
@@ -308,7 +306,7 @@ class step_progress:
     Yields ``report(advance=0, *, completed=None, total=None, metrics=None)``.
     """
 
-    def __init__(self, description: str, total: int | None) -> None:
+    def __init__(self, description: str, total: int | None, enabled: bool = True) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -320,7 +318,7 @@ class step_progress:
             TextColumn("{task.fields[status]}"),
             console=Console(stderr=True),
             transient=False,
-            disable=not sys.stderr.isatty(),
+            disable=not (enabled and sys.stderr.isatty()),
         )
         self.task = self.progress.add_task(description, total=total, status="")
 

@@ -23,23 +23,6 @@ from clipkit.transforms import decode_transformed
 from clipkit.types import PointSet, Sample
 
 
-def cat_points(parts: Sequence[PointSet]) -> PointSet:
-    """Concatenate point sets along the batch (all parts must have the same M)."""
-    points = torch.cat([p.points for p in parts])
-    weights = None if parts[0].weights is None else torch.cat([p.weights for p in parts])
-    mask = None if parts[0].mask is None else torch.cat([p.mask for p in parts])
-    return PointSet(points, weights, mask, parts[0].weight_normalization)
-
-
-def slice_points(points: PointSet, start: int, stop: int) -> PointSet:
-    return PointSet(
-        points.points[start:stop],
-        None if points.weights is None else points.weights[start:stop],
-        None if points.mask is None else points.mask[start:stop],
-        points.weight_normalization,
-    )
-
-
 def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Generator:
     """A generator seeded with ``seed`` (default: the export's ``eval_seed``)."""
     generator = torch.Generator()
@@ -89,7 +72,7 @@ def encode_images(model: ContrastiveModel, samples: Sequence[Sample], batch_size
             [decode_transformed(s.image, model.transform, rng, f"sample {s.key}")[0] for s in chunk]
         )
         parts.append(model.encode_image(images).float())
-    return cat_points(parts)
+    return PointSet.cat(parts)
 
 
 @torch.no_grad()
@@ -98,7 +81,7 @@ def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int 
     parts = []
     for start in range(0, len(texts), batch_size):
         parts.append(model.encode_text(model.tokenizer(list(texts[start : start + batch_size]))).float())
-    return cat_points(parts)
+    return PointSet.cat(parts)
 
 
 @torch.no_grad()
@@ -113,7 +96,7 @@ def image_text_logits(
     """
     rows = []
     for start in range(0, images.batch_size, chunk):
-        part = slice_points(images, start, start + chunk)
+        part = images.rows(start, start + chunk)
         rows.append(model.similarity(part, texts, generator=eval_generator(model, seed)).i2t)
     return torch.cat(rows)
 

@@ -336,6 +336,12 @@ class Runtime:
         self.accelerator.wait_for_everyone()
 
 
+def launched_as_main() -> bool:
+    """Whether this is process 0 of a launch (``RANK`` set by ``accelerate launch``/``torchrun``),
+    known before any process group exists; True without a launcher."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def split_batch(global_batch_size: int | None, micro_batch_size: int, world_size: int) -> tuple[int, int]:
     """(samples per process per step, samples per forward) from the recipe's contrastive batch."""
     if global_batch_size is None:

@@ -423,8 +423,8 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
     micro = split_batch_rows(batch, rt.micro_batch_size)
     with torch.no_grad(), rt.autocast():
         parts = [model(piece) for piece in micro]
-    cached_a = leaf_points(concat_points([p[0] for p in parts]))
-    cached_b = leaf_points(concat_points([p[1] for p in parts]))
+    cached_a = leaf_points(PointSet.cat([p[0] for p in parts]))
+    cached_b = leaf_points(PointSet.cat([p[1] for p in parts]))
     # Outside the model's forward on purpose: only the cached features' gradient is wanted, and
     # DDP / DeepSpeed hooks must not see a backward that reduces nothing (ZeRO-3 is refused).
     with rt.full_precision():
@@ -445,7 +445,7 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
                 if grad is not None
             )
             if last:
-                detached_a, detached_b = detach_points(cached_a), detach_points(cached_b)
+                detached_a, detached_b = cached_a.detach(), cached_b.detach()
                 total = total + contrastive_loss(trainer, detached_a, detached_b, batch, step).loss
             return LossOutput(loss=total)
 
@@ -469,16 +469,6 @@ def split_batch_rows(batch: dict, rows: int) -> list[dict]:
     return [{key: cut(value, start) for key, value in batch.items()} for start in range(0, size, rows)]
 
 
-def concat_points(parts: list[PointSet]) -> PointSet:
-    first = parts[0]
-    return PointSet(
-        torch.cat([p.points for p in parts]),
-        None if first.weights is None else torch.cat([p.weights for p in parts]),
-        None if first.mask is None else torch.cat([p.mask for p in parts]),
-        first.weight_normalization,
-    )
-
-
 def point_tensors(points: PointSet) -> list[torch.Tensor]:
     """The differentiable tensors of a point set: points, and weights when present."""
     return [points.points] + ([] if points.weights is None else [points.weights])
@@ -486,21 +476,10 @@ def point_tensors(points: PointSet) -> list[torch.Tensor]:
 
 def leaf_points(points: PointSet) -> PointSet:
     """fp32 copies that are autograd leaves (the cache whose gradient step 2 computes)."""
-    return PointSet(
-        points.points.float().detach().requires_grad_(),
-        None if points.weights is None else points.weights.float().detach().requires_grad_(),
-        points.mask,
-        points.weight_normalization,
-    )
-
-
-def detach_points(points: PointSet) -> PointSet:
-    return PointSet(
-        points.points.detach(),
-        None if points.weights is None else points.weights.detach(),
-        points.mask,
-        points.weight_normalization,
-    )
+    leaf = points.detach().float()
+    for tensor in point_tensors(leaf):
+        tensor.requires_grad_()
+    return leaf
 
 
 def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:

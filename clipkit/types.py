@@ -11,7 +11,7 @@ module only needs it for type annotations.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -118,6 +118,36 @@ class PointSet(_PointSetFields):
             self.points.float(),
             None if self.weights is None else self.weights.float(),
             self.mask,
+            self.weight_normalization,
+        )
+
+    def detach(self) -> PointSet:
+        """The same point set cut from the autograd graph."""
+        return self._map(lambda t: t.detach())
+
+    def rows(self, start: int, stop: int) -> PointSet:
+        """Sets [start, stop) of the batch."""
+        return self._map(lambda t: t[start:stop], mask=True)
+
+    @classmethod
+    def cat(cls, parts: Sequence[PointSet]) -> PointSet:
+        """Concatenate point sets along the batch (all parts must have the same M)."""
+        import torch
+
+        first = parts[0]
+        return cls(
+            torch.cat([p.points for p in parts]),
+            None if first.weights is None else torch.cat([p.weights for p in parts]),
+            None if first.mask is None else torch.cat([p.mask for p in parts]),
+            first.weight_normalization,
+        )
+
+    def _map(self, function, *, mask: bool = False) -> PointSet:
+        """``function`` applied to points and weights (and the mask when ``mask``)."""
+        return PointSet(
+            function(self.points),
+            None if self.weights is None else function(self.weights),
+            function(self.mask) if mask and self.mask is not None else self.mask,
             self.weight_normalization,
         )
 

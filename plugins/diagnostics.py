@@ -19,7 +19,7 @@ from torch import Tensor
 
 from clipkit import diagnostics
 from clipkit.errors import DataError
-from clipkit.evaluate import embed_points, encode_images, encode_texts, load_samples, slice_points
+from clipkit.evaluate import embed_points, encode_images, encode_texts, load_samples
 from clipkit.types import PointSet
 
 CAPTION_CHOICES = ("first", "random")
@@ -99,14 +99,14 @@ class Diagnostics:
         """
         parts = []
         for start in range(0, points.batch_size, self.batch_size):
-            part = slice_points(points, start, start + self.batch_size)
+            part = points.rows(start, start + self.batch_size)
             parts.append(embed_points(model, part)[0] if self.embedding == "similarity" else part.mean())
         return torch.nn.functional.normalize(torch.cat(parts).float(), dim=-1)
 
     def embedding_used(self, model, points: PointSet) -> str:
         """Which vectors ``embed`` returns: "similarity.embed", or "point mean" (asked for, or the
         similarity has no finite embedding)."""
-        if self.embedding == "similarity" and embed_points(model, slice_points(points, 0, 1))[1]:
+        if self.embedding == "similarity" and embed_points(model, points.rows(0, 1))[1]:
             return "similarity.embed"
         return "point mean"
 

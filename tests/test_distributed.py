@@ -47,8 +47,9 @@ def run(command: list[str], cwd: Path, timeout: int = 600) -> subprocess.Complet
 
 
 def torchrun(script: Path, *args: str, cwd: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    run(command + ["--master_port", str(free_port()), str(script), *args], cwd)
+    # --standalone: the rendezvous picks its own free port (no race with a port chosen here).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run(command + [str(script), *args], cwd)
 
 
 def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
