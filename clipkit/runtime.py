@@ -198,7 +198,7 @@ class Runtime:
         return PointSet(
             gather(points.points),
             None if points.weights is None else gather(points.weights),
-            None if points.mask is None else collectives.gather_with_grad(points.mask),
+            None if points.mask is None else self.gather_rows(points.mask),
             points.weight_normalization,
         )
 
