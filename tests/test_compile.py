@@ -4,6 +4,7 @@ gradients and parameter names."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -36,6 +37,18 @@ class Towers(nn.Module):
             else None
         )
         self.similarity = DotSimilarity()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_environment():
+    """Inductor exports variables into os.environ while compiling, among them
+    ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``, a pointer into this process. Processes that later
+    tests launch would inherit it, and a child that dereferences it aborts (seen as a flaky
+    ``torchrun`` failure in tests/test_distributed.py). Restore the environment after this module."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
