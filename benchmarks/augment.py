@@ -1,4 +1,5 @@
-"""Images/s of training augmentation: per-sample PIL path vs batched tensor path (clipkit.batched_augment).
+"""Images/s of training augmentation: per-sample PIL path vs batched tensor path
+(clipkit.data.batched_augment).
 
 (a) ``ImageTransform`` (PIL random-resized-crop, bicubic, to tensor, normalise) on PIL images, one
     sample at a time with its own ``random.Random``, then ``torch.stack`` into a batch (what the
@@ -24,8 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from clipkit.batched_augment import BatchedAugment
-from clipkit.transforms import ImageTransform
+from clipkit.data.batched_augment import BatchedAugment
+from clipkit.data.transforms import ImageTransform
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -7,7 +7,7 @@ shards with ``clipkit.api.shard``, so that every row reads the same PNG files fr
 
 Rows (timed; per task, everything from the shard files to the metric):
 
-- clipkit: ``clipkit.evaluate.run_evals(model, [task])`` — the code ``clipkit eval`` runs —
+- clipkit: ``clipkit.eval.evaluate.run_evals(model, [task])`` — the code ``clipkit eval`` runs —
   for ``zero_shot`` (label ``colour``: 8 classes × 10 templates from the source's label set) and
   ``retrieval`` (one caption per image). ``feature_seeds: 1``, so a random-feature similarity is
   scored once, like the bare loop.
@@ -235,7 +235,7 @@ def main() -> None:
 
     import clipkit
     from clipkit import api
-    from clipkit.evaluate import run_evals
+    from clipkit.eval.evaluate import run_evals
     from clipkit.registry import default_registry
 
     print(

@@ -1,11 +1,12 @@
 """KME-CLIP logits: block-wise path vs the naive einsum, time and peak memory; WPSE fused vs unfused pooling.
 
 (a) ``kme_logits_naive``: materialises the [N, N, M, M] scores (plain autograd).
-(b) ``kme_logits(implementation="blockwise")``: tiles of ~2^20 scores, custom backward (plugins/kme.py).
+(b) ``kme_logits(implementation="blockwise")``: tiles of ~2^20 scores, custom
+    backward (plugins/similarities/kme.py).
 Both on the same inputs: N anchors and N candidates of M unit points each (d = 512, the anchors
 weighted), γ = 1/0.07, inputs requiring grad. "forward" = logits; "fwd+bwd" = logits, then
 backward of their sum. Peak memory = the largest number of bytes torch's allocator held at once
-above the inputs (``clipkit.memory.peak_allocated_bytes``, from profiler allocation events).
+above the inputs (``clipkit.train.memory.peak_allocated_bytes``, from profiler allocation events).
 
 The naive path is not run where its estimated peak exceeds ``--naive-cap-gib``: the estimate is
 (bytes of one fp32 score tensor, 4·N²·Mx·My) × the ratio peak / score-tensor bytes of the largest
@@ -27,10 +28,10 @@ from functools import partial
 
 import torch
 
-from clipkit.memory import peak_allocated_bytes
-from clipkit.plugins import kme
-from clipkit.plugins.kme import kme_logits, kme_logits_naive
-from clipkit.plugins.wpse import pooled_random_features, pooled_random_features_unfused
+from clipkit.plugins.similarities import kme
+from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
+from clipkit.plugins.similarities.wpse import pooled_random_features, pooled_random_features_unfused
+from clipkit.train.memory import peak_allocated_bytes
 from clipkit.types import PointSet
 
 GRID_N = (64, 256, 1024, 4096)

@@ -1,7 +1,8 @@
 """Compile the KME triton kernels for a GPU target without a GPU and print their resource use.
 
 Triton compiles to PTX and a cubin ahead of time on any machine (its wheel ships ptxas and
-cuobjdump); this checks that the kernels of plugins/kme_triton.py lower for sm_90 (H100/H200) with
+cuobjdump); this checks that the kernels of plugins/similarities/kme_triton.py lower for sm_90
+(H100/H200) with
 the tile sizes and warp counts ``kme_triton`` launches them with, and reads registers per thread,
 spill stack and shared memory from the cubin. It measures nothing about speed.
 
@@ -20,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from clipkit.plugins import kme_triton
+from clipkit.plugins.similarities import kme_triton
 
 SHAPES = ((197, 77), (77, 197), (50, 50), (10, 10), (1, 1))
 COMMON = {"Na": "i32", "Nb": "i32", "Mx": "i32", "My": "i32", "D": "i32"}

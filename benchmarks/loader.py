@@ -7,7 +7,7 @@ row once, so drifting load from other processes hits every row alike):
 - (a) plain PIL loop: open, convert RGB, torchvision's random-resized-crop box rule, resize to S
   bicubic (PIL, antialiased), to float tensor, normalise: what a straightforward script does.
 - (a') clipkit's previous path: decode (PIL) + ``ImageTransform.__call__`` (PIL resampling).
-- (b) ``clipkit.transforms.decode_transformed`` (torch uint8 bicubic resampling, fused
+- (b) ``clipkit.data.transforms.decode_transformed`` (torch uint8 bicubic resampling, fused
   normalisation, JPEG draft decoding when the crop allows it); also without draft, and in two-view
   mode (one decode, two crops; counted per source image).
 - (c) shard writing: ``clipkit.api.shard`` of a temporary JSONL table of the photos (repeated to
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from clipkit.transforms import ImageTransform, decode_transformed
+from clipkit.data.transforms import ImageTransform, decode_transformed
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -79,10 +79,12 @@ def load_photos(args: argparse.Namespace) -> tuple[list[bytes], str]:
         photos = [rescaled(photo, args.upscale) for photo in photos]
         description += f", upscaled {args.upscale}x (bicubic, re-encoded q95)"
     if args.shard_resize:
-        from clipkit.download import resize_image
+        from clipkit.data.download import resize_image
 
         photos = [resize_image(photo, args.shard_resize) for photo in photos]
-        description += f", shorter side resized to {args.shard_resize} (clipkit.download.resize_image, q95)"
+        description += (
+            f", shorter side resized to {args.shard_resize} (clipkit.data.download.resize_image, q95)"
+        )
     return photos, description
 
 

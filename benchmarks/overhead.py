@@ -1,7 +1,7 @@
 """Framework overhead: seconds per step of clipkit's ``train_loop`` vs a bare PyTorch loop, same model.
 
 For each recipe (default ``clip@tiny`` and ``wpse@tiny``) the script builds clipkit's trainer
-(``clipkit.train.build_trainer``), reads a few real batches from its loader into memory, and
+(``clipkit.train.loop.build_trainer``), reads a few real batches from its loader into memory, and
 then times, on those same in-memory batches:
 
 - clipkit: ``train_loop(trainer)``, with ``trainer.stream`` replaced by :class:`InMemoryStream`
@@ -10,7 +10,7 @@ then times, on those same in-memory batches:
   the model's similarity -> cross-entropy both ways -> ``backward`` -> ``torch.optim.AdamW``
   (the same parameter groups and hyper-parameters) -> a warm-up-cosine ``LambdaLR``; every
   ``train.log_every`` steps it reads the loss as a float (what a loop's logging costs at least);
-- with ``--compile MODE`` also both loops with ``clipkit.compile.compile_towers(model, MODE)``:
+- with ``--compile MODE`` also both loops with ``clipkit.train.compile.compile_towers(model, MODE)``:
   the towers' compile time (the first step of the untimed warm-up run) is reported apart from
   the steady step time. The Inductor cache starts empty (a temporary ``TORCHINDUCTOR_CACHE_DIR``
   unless one is set): the first compiled runner of a recipe (clipkit's) compiles cold; the second
@@ -95,7 +95,7 @@ def clipkit_runner(
 ) -> Callable[[int], list[tuple[float, float]]]:
     """Runs ``train_loop`` from step 0 to ``train.steps`` on in-memory batches."""
     from clipkit.recipe import section
-    from clipkit.train import train_loop
+    from clipkit.train.loop import train_loop
 
     def run(steps: int) -> list[tuple[float, float]]:
         assert section(trainer.recipe, "train").steps == steps
@@ -175,7 +175,7 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
     """(trainer, unwrapped model) of ``spec`` on a small temporary shard set; nothing trained yet."""
     from clipkit.api import resolve
     from clipkit.registry import default_registry
-    from clipkit.train import build_trainer, prepare_run_dir
+    from clipkit.train.loop import build_trainer, prepare_run_dir
 
     registry = default_registry()
     recipe = resolve(spec, [], registry)
@@ -203,8 +203,8 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
 
 def runners_for(spec: str, args: argparse.Namespace, root: Path) -> tuple[dict[str, Callable], dict, str]:
     """{label: runner} for one recipe (eager, and compiled per --compile mode), the recipe, a summary."""
-    from clipkit.compile import compile_towers
     from clipkit.recipe import section
+    from clipkit.train.compile import compile_towers
 
     slug = spec.replace("@", "-").replace("+", "-")
     trainer, model = build(spec, args.set, args.steps, root, slug)

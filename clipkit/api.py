@@ -55,9 +55,9 @@ def shard(
 
     An interrupted run leaves ``out.partial``; calling again with the same arguments continues it.
     """
-    from clipkit.download import Downloader
-    from clipkit.shard import open_source
-    from clipkit.shard_writer import write_shards
+    from clipkit.data.download import Downloader
+    from clipkit.data.shard import open_source
+    from clipkit.data.shard_writer import write_shards
 
     # Options that change how fast or how patiently samples arrive, not what they are: an
     # interrupted `clipkit shard` may be resumed with other values (e.g. a longer timeout).
@@ -79,7 +79,7 @@ def shard(
 
 def verify(directory: Path) -> dict:
     """Check a shard set against its manifest: ``{"n", "shards", "problems"}`` (empty = intact)."""
-    from clipkit.shard import verify_shards
+    from clipkit.data.shard import verify_shards
 
     return verify_shards(directory)
 
@@ -95,7 +95,7 @@ def train(
 ) -> TrainResult:
     """Train a recipe; then, if ``train.export``, export to RUN/export and run its eval tasks."""
     from clipkit.recipe import section, validate_or_raise
-    from clipkit.train import build_trainer, prepare_run_dir, train_loop
+    from clipkit.train.loop import build_trainer, prepare_run_dir, train_loop
 
     registry = registry or default_registry()
     started = time.perf_counter()
@@ -124,7 +124,7 @@ def train(
 
 def plot_run(run_dir: Path) -> Path | None:
     """RUN/loss.png: the run's loss (and, when logged, learning rate) against step."""
-    from clipkit.report import plot_loss_curves
+    from clipkit.eval.report import plot_loss_curves
 
     if not (run_dir / "metrics.jsonl").is_file():
         return None
@@ -168,8 +168,8 @@ def evaluate(
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
     (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
     """
-    from clipkit.evaluate import evaluate_export
-    from clipkit.report import summarize, write_eval_report
+    from clipkit.eval.evaluate import evaluate_export
+    from clipkit.eval.report import summarize, write_eval_report
 
     report = evaluate_export(Path(export_dir), tasks, registry or default_registry())
     report["summary"] = summarize(report["results"])
@@ -181,7 +181,7 @@ def evaluate(
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
     """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an
     ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots)."""
-    from clipkit.report import plot_loss_curves, read_eval_reports, write_comparison
+    from clipkit.eval.report import plot_loss_curves, read_eval_reports, write_comparison
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)

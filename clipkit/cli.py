@@ -50,8 +50,12 @@ def console():
 
 @fails_cleanly
 def shard_command(
-    source: Annotated[str, typer.Argument(help="Source URI or path, e.g. captions.jsonl (or, with --verify, "
-                                                "the shard directory)")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="Source URI or path, e.g. captions.jsonl (or, with --verify, the shard directory)"
+        ),
+    ],
     out: Annotated[Path, typer.Argument(help="Output directory for shard-*.tar + manifest.json")] = None,
     samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard (at most)")] = 1000,
     max_shard_size: Annotated[
@@ -116,7 +120,7 @@ def train_command(
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
-    from clipkit.runtime import launched_as_main
+    from clipkit.train.runtime import launched_as_main
 
     with step_progress("training", total=None, enabled=launched_as_main()) as report:
         result = api.train(
@@ -349,7 +353,7 @@ def print_summary(result) -> None:
     if result.export_dir:
         typer.echo(f"export: {result.export_dir}")
     if result.evals:
-        from clipkit.report import summarize
+        from clipkit.eval.report import summarize
 
         print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
@@ -358,7 +362,7 @@ def print_summary(result) -> None:
 def print_evals(results: list[dict], summary: dict | None = None) -> None:
     from rich.table import Table
 
-    from clipkit.report import metric_rows, task_label
+    from clipkit.eval.report import metric_rows, task_label
 
     table = Table("task", "metric", "value")  # the task label names its data; the JSON has the full URI
     for result in results:

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from clipkit import __version__
-from clipkit.checkpoint import latest_checkpoint, load_checkpoint
 from clipkit.errors import ClipkitError
 from clipkit.io import atomic_directory
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
 from clipkit.recipe import SLOTS, get_path, section, validate_or_raise
 from clipkit.registry import Registry
+from clipkit.train.checkpoint import latest_checkpoint, load_checkpoint
 
 FORMAT = "clipkit-export/1"
 WEIGHTS = "model.safetensors"

@@ -12,16 +12,11 @@ from clipkit import hookspecs
 #: Built-in plugin modules, registered exactly like third-party plugins.
 BUILTIN_PLUGINS = (
     "clipkit.plugins.encoders",
-    "clipkit.plugins.conv_encoders",
-    "clipkit.plugins.bert_plugins",
     "clipkit.plugins.tokenizers",
-    "clipkit.plugins.clip_bpe",
     "clipkit.plugins.similarities",
     "clipkit.plugins.losses",
     "clipkit.plugins.optim",
     "clipkit.plugins.evals",
-    "clipkit.plugins.file_sources",
-    "clipkit.plugins.dataset_sources",
     "clipkit.plugins.sources",
     "clipkit.plugins.loggers",
     "clipkit.plugins.recipes",

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from clipkit.data.transforms import ImageTransform
 from clipkit.recipe import SLOTS, section
 from clipkit.registry import Registry
-from clipkit.transforms import ImageTransform
 from clipkit.types import PointSet
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}

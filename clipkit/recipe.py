@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from clipkit.compile import COMPILE_MODES  # torch-free, like this module
 from clipkit.errors import RecipeError, UnknownNameError, close_matches
 from clipkit.registry import Registry
+from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
 
 
 @dataclass(frozen=True)
@@ -441,8 +441,10 @@ def _check_augment(data: dict) -> list[str]:
     if mode not in AUGMENT_MODES:
         return [f"data.augment: must be one of {', '.join(AUGMENT_MODES)}, got {mode!r}"]
     if mode == "batched" and (data.get("color_jitter") or data.get("grayscale")):
-        return ["data.augment: batched augmentation does crop, flip and normalise only; "
-                "color_jitter/grayscale need augment: sample"]
+        return [
+            "data.augment: batched augmentation does crop, flip and normalise only; "
+            "color_jitter/grayscale need augment: sample"
+        ]
     return []
 
 

@@ -7,6 +7,7 @@ twice is an error naming both plugins (the host validates, as in ``llm``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -123,3 +124,32 @@ def default_registry(*, refresh: bool = False) -> Registry:
             _DEFAULT_PM = make_plugin_manager()
         _DEFAULT = Registry(_DEFAULT_PM)
     return _DEFAULT
+
+
+def preset(factory: Callable, doc: str, *, fixed: dict[str, Any] | None = None, **defaults: Any) -> Callable:
+    """A preset as data: ``factory`` with ``fixed`` arguments (hidden from recipes, always passed)
+    and new ``defaults`` for others (recipes may still set them) — torchtune's ``vit_b16()`` over
+    ``vit(...)`` without re-listing every keyword.
+
+    The returned factory carries a real ``__signature__`` (keyword-only parameters, the fixed ones
+    removed), so recipe validation binds it exactly like a hand-written factory.
+    """
+    fixed = dict(fixed or {})
+    signature = inspect.signature(factory)
+    unknown = (set(fixed) | set(defaults)) - set(signature.parameters)
+    if unknown:
+        raise TypeError(f"preset of {factory.__name__}: no parameter(s) {sorted(unknown)}")
+    parameters = [
+        parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, parameter.default))
+        for name, parameter in signature.parameters.items()
+        if name not in fixed
+    ]
+
+    def build(**kwargs: Any):
+        return factory(**{**defaults, **kwargs, **fixed})
+
+    build.__signature__ = signature.replace(parameters=parameters)
+    build.__doc__ = doc
+    build.__name__ = build.__qualname__ = f"{factory.__name__}_preset"
+    build.__module__ = factory.__module__
+    return build

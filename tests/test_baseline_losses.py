@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.baseline_losses import (
+from clipkit.plugins.losses.baseline_losses import (
     CyCLIPLoss,
     DebiasedContrastiveLoss,
     DecoupledContrastiveLoss,
     SigLIPLoss,
 )
-from clipkit.plugins.dot import DotSimilarity
-from clipkit.plugins.infonce import InfoNCE
+from clipkit.plugins.losses.infonce import InfoNCE
+from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.testing import check_loss
 from clipkit.types import Logits, LossContext, PointSet
 

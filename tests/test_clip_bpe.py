@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from clipkit.manager import make_plugin_manager
-from clipkit.plugins import clip_bpe
-from clipkit.plugins.clip_bpe import ClipBPETokenizer
+from clipkit.plugins.tokenizers import clip_bpe
+from clipkit.plugins.tokenizers.clip_bpe import ClipBPETokenizer
 from clipkit.registry import Registry
 
 START, END = 49406, 49407
@@ -205,7 +205,7 @@ def test_pickle_round_trip_carries_only_options(tokenizer):
 def test_import_is_light():
     """Registering must not import torch or read the vocabulary."""
     code = (
-        "import sys; import clipkit.plugins.clip_bpe as m; "
+        "import sys; import clipkit.plugins.tokenizers.clip_bpe as m; "
         "assert 'torch' not in sys.modules; "
         "assert m.bpe_tables.cache_info().currsize == 0 and m.split_pattern.cache_info().currsize == 0"
     )
@@ -216,6 +216,6 @@ def test_registered_as_clip_bpe():
     registry = Registry(make_plugin_manager(autoload=False))
     assert "clip_bpe" in registry.names("tokenizer")
     entry = registry.get("tokenizer", "clip_bpe")
-    assert entry.plugin == "clipkit.plugins.clip_bpe"
+    assert entry.plugin == "clipkit.plugins.tokenizers.clip_bpe"
     built = registry.factory("tokenizer", "clip_bpe")(context_length=32)
     assert isinstance(built, ClipBPETokenizer) and built.context_length == 32

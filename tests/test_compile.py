@@ -1,4 +1,4 @@
-"""clipkit.compile: torch.compile of the two towers only, in place, with unchanged outputs,
+"""clipkit.train.compile: torch.compile of the two towers only, in place, with unchanged outputs,
 gradients and parameter names."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from clipkit.compile import COMPILE_MODES, compile_towers, compile_unavailable, is_compiled
 from clipkit.errors import ClipkitError
-from clipkit.plugins.dot import DotSimilarity
-from clipkit.plugins.text_transformer import text_transformer_tiny
-from clipkit.plugins.vit import vit_tiny
+from clipkit.plugins.encoders.text_transformer import text_transformer_tiny
+from clipkit.plugins.encoders.vit import vit_tiny
+from clipkit.plugins.similarities.dot import DotSimilarity
+from clipkit.train.compile import COMPILE_MODES, compile_towers, compile_unavailable, is_compiled
 
 EMBED_DIM = 16
 

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from clipkit.plugins import clip_resnet, conv_common, conv_encoders, resnet
-from clipkit.plugins.clip_resnet import AttentionPool2d, rn_tiny
-from clipkit.plugins.resnet import resnet_tiny
+from clipkit.plugins import encoders as conv_encoders
+from clipkit.plugins.encoders import clip_resnet, conv_common, resnet
+from clipkit.plugins.encoders.clip_resnet import AttentionPool2d, rn_tiny
+from clipkit.plugins.encoders.resnet import resnet_tiny
 from clipkit.testing import check_encoder
 from clipkit.types import PointSet
 
@@ -466,7 +467,7 @@ def test_registry_builds_through_the_plugin_manager():
 def test_plugin_module_imports_without_torch():
     code = (
         "import sys\n"
-        "import clipkit.plugins.conv_encoders\n"
+        "import clipkit.plugins.encoders\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

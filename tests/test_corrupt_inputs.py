@@ -20,9 +20,9 @@ import pytest
 from PIL import Image
 
 from clipkit import api
+from clipkit.data.shard import ShardSource, open_source, read_manifest
 from clipkit.errors import DataError
-from clipkit.plugins.file_sources import DEFAULT_MAX_CAPTION_CHARS, BadRow, verify_image_bytes
-from clipkit.shard import ShardSource, open_source, read_manifest
+from clipkit.plugins.sources.file_sources import DEFAULT_MAX_CAPTION_CHARS, BadRow, verify_image_bytes
 
 N_CORRUPT = 200
 N_GOOD = 40

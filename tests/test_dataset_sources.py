@@ -11,13 +11,13 @@ import pytest
 from PIL import Image
 
 from clipkit import api
+from clipkit.data.shard import ShardSource, open_source
 from clipkit.errors import DataError
-from clipkit.plugins import parquet_reader
-from clipkit.plugins.dataset_sources import Img2DatasetSource, WebDatasetSource
-from clipkit.plugins.file_sources import TableSource
-from clipkit.plugins.idx_source import IdxSource
-from clipkit.plugins.synthetic_shapes import SyntheticShapes, zero_shot_labels
-from clipkit.shard import ShardSource, open_source
+from clipkit.plugins.sources import parquet_reader
+from clipkit.plugins.sources.dataset_sources import Img2DatasetSource, WebDatasetSource
+from clipkit.plugins.sources.file_sources import TableSource
+from clipkit.plugins.sources.idx_source import IdxSource
+from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes, zero_shot_labels
 
 
 def png(colour: tuple[int, int, int], size: int = 4) -> bytes:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from clipkit.data.transforms import ImageTransform, ResizedUInt8, decode_transformed, draft_factor
 from clipkit.errors import DataError
-from clipkit.transforms import ImageTransform, ResizedUInt8, decode_transformed, draft_factor
 
 # mean 0, std 1/255: the outputs are pixel values in [0, 255], so differences read as grey levels.
 LEVELS = {"mean": (0.0, 0.0, 0.0), "std": (1 / 255, 1 / 255, 1 / 255)}

@@ -1,5 +1,5 @@
-"""Embedding diagnostics (clipkit/diagnostics.py) on hand-made data, and the `diagnostics` eval task
-on tiny trained exports with the dot, WPSE and KME similarities."""
+"""Embedding diagnostics (plugins/evals/diagnostic_stats.py) on hand-made data, and the
+`diagnostics` eval task on tiny trained exports with the dot, WPSE and KME similarities."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 from scipy import stats
 
-from clipkit import api, diagnostics
-from clipkit.evaluate import encode_images, encode_texts, eval_generator, load_samples, run_evals
+from clipkit import api
+from clipkit.eval.evaluate import encode_images, encode_texts, eval_generator, load_samples, run_evals
 from clipkit.export import load_export, write_export
 from clipkit.manager import make_plugin_manager
 from clipkit.model import build_model
-from clipkit.plugins.diagnostics import Diagnostics
+from clipkit.plugins.evals import diagnostic_stats as diagnostics
+from clipkit.plugins.evals.diagnostics import Diagnostics
 from clipkit.registry import Registry
 
 REGISTRY = Registry(make_plugin_manager(autoload=False))

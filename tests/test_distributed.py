@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipkit.checkpoint import list_checkpoints, load_checkpoint
+from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -150,25 +150,46 @@ STRATEGIES = {
     "zero3": ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3", "train.eval_every=2"],
     # Exact gradient accumulation under ZeRO-2: 4 micro-batches of 4 on each process.
     "zero2-accumulated": [
-        "train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2", "train.micro_batch_size=4"
+        "train.distributed.strategy=deepspeed",
+        "train.distributed.zero_stage=2",
+        "train.micro_batch_size=4",
     ],
     # DeepSpeed's own bf16 (half-precision parameters, fp32 master weights).
     "zero2-bf16": [
-        "train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2", "train.precision=bf16"
+        "train.distributed.strategy=deepspeed",
+        "train.distributed.zero_stage=2",
+        "train.precision=bf16",
     ],
 }
 # SGD (not Adam, whose normalised steps would hide a wrongly scaled gradient), and a logit scale
 # starting above its clamp (100), which the forward pass applies to the (sharded) parameter.
-COMMON = ["quickstart@smoke", "train.steps=4", "train.checkpoint_every=2", "train.log_every=1",
-          "optimizer.name=sgd", "optimizer.lr=0.05", "schedule.name=constant", "similarity.init_scale=150.0"]
+COMMON = [
+    "quickstart@smoke",
+    "train.steps=4",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "optimizer.name=sgd",
+    "optimizer.lr=0.05",
+    "schedule.name=constant",
+    "similarity.init_scale=150.0",
+]
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """quickstart@smoke's shards, made once (each launch would otherwise make them)."""
     root = tmp_path_factory.mktemp("launch")
-    run([sys.executable, "-m", "clipkit", "shard", "synthetic://shapes?n=512&split=train&image_size=48",
-         str(root / "data" / "smoke-shapes")], root)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "clipkit",
+            "shard",
+            "synthetic://shapes?n=512&split=train&image_size=48",
+            str(root / "data" / "smoke-shapes"),
+        ],
+        root,
+    )
     return root
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.dot import DotSimilarity
+from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.testing import check_similarity, random_points
 from clipkit.types import PointSet
 

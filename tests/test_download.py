@@ -1,4 +1,4 @@
-"""URL tables: clipkit.download against a real HTTP server on 127.0.0.1 (no mocks, no internet).
+"""URL tables: clipkit.data.download against a real HTTP server on 127.0.0.1 (no mocks, no internet).
 
 Each test starts a ``ThreadingHTTPServer`` on an ephemeral loopback port whose handler serves real
 PNG/JPEG bytes and every failure a download can meet (404, 500s, a stall, a short body, HTML, 429,
@@ -19,16 +19,16 @@ import pytest
 from PIL import Image
 
 from clipkit import __version__, api
-from clipkit.download import (
+from clipkit.data.download import (
     DEFAULT_USER_AGENT,
     Downloader,
     DownloadError,
     resize_image,
     retry_after_seconds,
 )
+from clipkit.data.shard import ShardSource, read_manifest
 from clipkit.errors import DataError
-from clipkit.plugins.file_sources import TableSource, open_file_source
-from clipkit.shard import ShardSource, read_manifest
+from clipkit.plugins.sources.file_sources import TableSource, open_file_source
 
 SLOW_SECONDS = 1.5  # the stalling endpoint; tests use timeout=0.3 or 1.0
 

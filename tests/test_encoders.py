@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_model, save_model
 
-from clipkit.plugins import densenet3d, encoders, text_transformer, tokenizers, vit
-from clipkit.plugins.kme import KMESimilarity
-from clipkit.plugins.text_transformer import clip_text, text_transformer_tiny
-from clipkit.plugins.tokenizers import ByteTokenizer, HashedWordTokenizer
-from clipkit.plugins.vit import vit_b16, vit_b32, vit_tiny
+from clipkit.plugins import encoders
+from clipkit.plugins.encoders import densenet3d, text_transformer, vit
+from clipkit.plugins.encoders.text_transformer import clip_text, text_transformer_tiny
+from clipkit.plugins.encoders.vit import vit_b16, vit_b32, vit_tiny
+from clipkit.plugins.similarities.kme import KMESimilarity
+from clipkit.plugins.tokenizers import basic as tokenizers
+from clipkit.plugins.tokenizers.basic import ByteTokenizer, HashedWordTokenizer
 from clipkit.testing import check_encoder
 from clipkit.types import PointSet
 
@@ -568,7 +570,7 @@ def test_tokenizer_hook_registers_classes():
 def test_plugin_modules_import_without_torch():
     code = (
         "import sys\n"
-        "import clipkit.plugins.encoders, clipkit.plugins.tokenizers\n"
+        "import clipkit.plugins.encoders, clipkit.plugins.tokenizers.basic\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from clipkit import api
-from clipkit.checkpoint import list_checkpoints, load_checkpoint
 from clipkit.errors import ClipkitError
+from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
 GOLDEN = Path(__file__).parent / "golden" / "smoke.json"
 SMOKE = ["train.steps=8", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]

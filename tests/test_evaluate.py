@@ -10,10 +10,10 @@ import torch
 
 from clipkit import api
 from clipkit.errors import ClipkitError, DataError
-from clipkit.evaluate import feature_seeds, mean_and_std, topk_accuracy
-from clipkit.plugins.retrieval import first_hit_ranks, recall_curves, recalls
-from clipkit.plugins.zero_shot import ZeroShot
-from clipkit.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
+from clipkit.eval.evaluate import feature_seeds, mean_and_std, topk_accuracy
+from clipkit.eval.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
+from clipkit.plugins.evals.retrieval import first_hit_ranks, recall_curves, recalls
+from clipkit.plugins.evals.zero_shot import ZeroShot
 
 SMOKE = ["train.steps=4", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]
 
@@ -76,7 +76,7 @@ def test_recall_against_a_naive_loop():
 
 def test_first_hit_ranks_equal_a_stable_sort_with_many_ties():
     """The counting ranks equal the rank in a stable descending sort, ties and all."""
-    from clipkit.plugins.retrieval import first_hit_ranks
+    from clipkit.plugins.evals.retrieval import first_hit_ranks
 
     generator = torch.Generator().manual_seed(1)
     for _ in range(20):
@@ -291,7 +291,7 @@ HELDOUT = "synthetic://shapes?split=heldout&n=40&seed=1&image_size=48"
 def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
     """Untrained tiny exports of the point-set and Hopfield similarities evaluate through their own
     similarity; WPSE (random features) is repeated over 5 feature seeds with a spread."""
-    from clipkit.evaluate import run_evals
+    from clipkit.eval.evaluate import run_evals
     from clipkit.export import load_export, write_export
     from clipkit.model import build_model
 
@@ -310,7 +310,7 @@ def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
     assert ("top1_std" in zero_shot) == random_features
     assert 0 <= zero_shot["top1"] <= 1 and 0 <= retrieval["mean_recall"] <= 1
     if random_features:  # different feature draws really give different logits
-        from clipkit.evaluate import encode_images, encode_texts, image_text_logits, load_samples
+        from clipkit.eval.evaluate import encode_images, encode_texts, image_text_logits, load_samples
 
         samples, _ = load_samples(HELDOUT, 8, registry=registry)
         images = encode_images(model, samples)

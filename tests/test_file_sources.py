@@ -8,15 +8,15 @@ import pytest
 from PIL import Image
 
 from clipkit import api
+from clipkit.data.shard import ShardSource, open_source, read_manifest
 from clipkit.errors import DataError
-from clipkit.plugins.file_sources import (
+from clipkit.plugins.sources.file_sources import (
     CaptionFolderSource,
     ClassFolderSource,
     TableSource,
     open_file_source,
 )
-from clipkit.plugins.synthetic_shapes import SyntheticShapes, zero_shot_labels
-from clipkit.shard import ShardSource, open_source, read_manifest
+from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes, zero_shot_labels
 
 
 def png(colour: tuple[int, int, int], size: int = 4) -> bytes:

@@ -6,9 +6,9 @@ import typer
 from typer.testing import CliRunner
 
 from clipkit.cli import make_app
+from clipkit.data.shard import open_source
 from clipkit.hookspecs import hookimpl
 from clipkit.manager import make_plugin_manager
-from clipkit.shard import open_source
 from clipkit.types import Sample
 
 

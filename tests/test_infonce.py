@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.infonce import InfoNCE
+from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.testing import check_loss
 from clipkit.types import Logits, LossContext
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clipkit.plugins.infonce import InfoNCE
-from clipkit.plugins.kme import KMESimilarity, kme_logits
+from clipkit.plugins.losses.infonce import InfoNCE
+from clipkit.plugins.similarities.kme import KMESimilarity, kme_logits
 from clipkit.testing import check_similarity
 from clipkit.types import LossContext, PointSet
 

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from clipkit.memory import peak_allocated_bytes
-from clipkit.plugins import kme
-from clipkit.plugins.kme import KMESimilarity, kme_logits, kme_logits_naive, tile_shape
+from clipkit.plugins.similarities import kme
+from clipkit.plugins.similarities.kme import KMESimilarity, kme_logits, kme_logits_naive, tile_shape
+from clipkit.train.memory import peak_allocated_bytes
 from clipkit.types import PointSet
 
 
@@ -229,7 +229,7 @@ def test_dispatch_and_arguments():
 
 def _triton_device() -> str | None:
     try:
-        from clipkit.plugins import kme_triton
+        from clipkit.plugins.similarities import kme_triton
     except ImportError:  # pragma: no cover
         return None
     if not kme_triton.available():
@@ -285,7 +285,7 @@ def test_triton_bf16_points_accumulate_in_fp32():
 def test_bfloat16_matmul_option_rounds_only_the_points():
     """matmul_dtype="bfloat16": the logits equal fp32 KME on bf16-rounded points (weights kept), and
     the gradient still reaches the fp32 points."""
-    from clipkit.plugins.kme import KMESimilarity
+    from clipkit.plugins.similarities.kme import KMESimilarity
 
     a = random_set(5, 7, 16, seed=21, dtype=torch.float32)
     b = random_set(4, 3, 16, seed=22, dtype=torch.float32, weighted=False)

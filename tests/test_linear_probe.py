@@ -12,10 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from clipkit import api
+from clipkit.data.transforms import ImageTransform, decode_transformed
 from clipkit.errors import ClipkitError, DataError
-from clipkit.evaluate import load_samples, run_evals
+from clipkit.eval.evaluate import load_samples, run_evals
 from clipkit.export import load_export, write_export
-from clipkit.linear_probe import (
+from clipkit.model import ContrastiveModel, build_model
+from clipkit.plugins.evals.linear_probe import LinearProbe, projection_module_name
+from clipkit.plugins.evals.linear_probe_fit import (
     Standardizer,
     fit_linear_sgd,
     fit_logistic_regression,
@@ -27,9 +30,6 @@ from clipkit.linear_probe import (
     sgd_hyperparameters,
     stratified_split,
 )
-from clipkit.model import ContrastiveModel, build_model
-from clipkit.plugins.linear_probe import LinearProbe, projection_module_name
-from clipkit.transforms import ImageTransform, decode_transformed
 from clipkit.types import PointSet
 
 TRAIN = "synthetic://shapes?split=train&n=96&seed=0&image_size=32"

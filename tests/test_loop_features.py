@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from clipkit import api
-from clipkit.checkpoint import list_checkpoints, load_checkpoint
 from clipkit.export import load_export
 from clipkit.hookspecs import hookimpl
 from clipkit.manager import make_plugin_manager
-from clipkit.plugins.synthetic_shapes import SyntheticShapes
+from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
 from clipkit.registry import Registry
+from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 from clipkit.types import LossOutput
 
 SOURCE = "synthetic://shapes?n=128&split=train&image_size=48"

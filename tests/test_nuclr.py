@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.nuclr import NUCLRLoss, SogCLRLoss, cosine_stepdown
+from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss, cosine_stepdown
 from clipkit.testing import check_loss
 from clipkit.types import Logits, LossContext
 

@@ -1,4 +1,4 @@
-"""NUCLR's synthetic experiment (seed 004, Appendix B; clipkit/nuclr_synthetic.py).
+"""NUCLR's synthetic experiment (seed 004, Appendix B; plugins/experiments/nuclr_synthetic.py).
 
 References are independent of the module's closed forms: scipy quadrature of the density,
 Monte Carlo, autograd of problem (5), the fixed point of Theorem 1 (eq. 6) written with
@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from clipkit import nuclr_synthetic as ns
+from clipkit.plugins.experiments import nuclr_synthetic as ns
 
 F64 = torch.float64
 TAU = ns.TAU

@@ -46,8 +46,11 @@ def test_step_schedule_multiplies_by_gamma_every_step_size():
 
 @pytest.mark.parametrize(
     "factory, kwargs",
-    [(optim.step, {"step_size": 0}), (optim.step, {"step_size": 2, "gamma": 0}),
-     (optim.cosine_restarts, {"cycle_steps": 0})],
+    [
+        (optim.step, {"step_size": 0}),
+        (optim.step, {"step_size": 2, "gamma": 0}),
+        (optim.cosine_restarts, {"cycle_steps": 0}),
+    ],
 )
 def test_bad_schedule_settings_are_refused(factory, kwargs):
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -38,10 +38,10 @@ def test_wheel_contents(tmp_path):
     # CLIP's BPE vocabulary ships as package data with its (MIT) licence
     assert "clipkit/plugins/clip_bpe_vocab/bpe_simple_vocab_16e6.txt.gz" in names
     assert "clipkit/plugins/clip_bpe_vocab/LICENSE.openai-clip.txt" in names
-    # zero-shot class names / templates (clipkit.prompts) with their licences
+    # zero-shot class names / templates (clipkit.plugins.evals.prompts) with their licences
     zeroshot = {"classnames.json", "templates.json", "README.md", "LICENSE.openai-clip.txt"}
     zeroshot |= {"LICENSE.slip.txt", "LICENSE.clip_benchmark.txt", "LICENSE.fashion-mnist.txt"}
-    assert {f"clipkit/zeroshot/{name}" for name in zeroshot} <= set(names)
+    assert {f"clipkit/plugins/evals/zeroshot/{name}" for name in zeroshot} <= set(names)
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"clipkit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

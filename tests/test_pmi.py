@@ -1,4 +1,4 @@
-"""PMI-fidelity benchmark (clipkit/pmi.py, METHODS.md §8).
+"""PMI-fidelity benchmark (plugins/experiments/pmi.py, METHODS.md §8).
 
 The closed-form PMI against a brute-force joint density (scipy) and against the identities
 E_{p(x)p(y)}[exp PMI] = 1 (quadrature: exact; Monte Carlo: within standard errors); the true
@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from clipkit.hookspecs import hookimpl
-from clipkit.plugins.infonce import InfoNCE
-from clipkit.pmi import (
+from clipkit.plugins.experiments.pmi import (
     LatentPairDistribution,
     PointSetMLP,
     infonce,
@@ -26,6 +25,7 @@ from clipkit.pmi import (
     pmi_fidelity,
     run_pmi_benchmark,
 )
+from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.testing import check_encoder
 from clipkit.types import Logits, LossContext
 

@@ -1,4 +1,4 @@
-"""clipkit.prompts: the zero-shot class names and templates shipped with the package."""
+"""clipkit.plugins.evals.prompts: the zero-shot class names and templates shipped with the package."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clipkit import prompts
 from clipkit.errors import ClipkitError
+from clipkit.plugins.evals import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"

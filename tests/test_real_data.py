@@ -9,7 +9,7 @@ import json
 import math
 
 from clipkit import api
-from clipkit.shard import verify_shards
+from clipkit.data.shard import verify_shards
 
 
 def test_shard_coco_mini_train_on_it_and_evaluate_retrieval(shared_data, in_tmp, registry):

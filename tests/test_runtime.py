@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipkit.checkpoint import list_checkpoints, load_checkpoint
-from clipkit.deepspeed_config import deepspeed_config
 from clipkit.errors import ClipkitError, RecipeError
 from clipkit.recipe import load_recipe, validate_or_raise
 from clipkit.registry import default_registry
-from clipkit.runtime import split_batch
-from clipkit.train import accumulate_exactly, build_trainer, contrastive_loss, forward_loss, train_loop
+from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
+from clipkit.train.deepspeed_config import deepspeed_config
+from clipkit.train.loop import accumulate_exactly, build_trainer, contrastive_loss, forward_loss, train_loop
+from clipkit.train.runtime import split_batch
 
 SMOKE = "quickstart@smoke"
 
@@ -136,7 +136,7 @@ def test_bf16_runs_the_towers_in_bf16_and_the_loss_in_fp32(registry, in_tmp):
 
 
 def test_fp16_uses_a_grad_scaler_that_skips_overflowing_steps(registry, in_tmp):
-    from clipkit.train import train_step
+    from clipkit.train.loop import train_step
 
     trainer = trainer_for(registry, in_tmp / "a", "train.precision=fp16", "train.steps=12")
     assert trainer.runtime.scaler is not None
@@ -241,8 +241,14 @@ def test_launcher_deepspeed_must_agree_with_the_recipe(registry, in_tmp, monkeyp
 
 def test_deepspeed_config_is_derived_from_the_recipe():
     config = deepspeed_config(
-        zero_stage=3, precision="bf16", micro_batch_size=16, micro_batches=4, world_size=8, grad_clip=1.0,
-        offload_optimizer="cpu", offload_params="cpu",
+        zero_stage=3,
+        precision="bf16",
+        micro_batch_size=16,
+        micro_batches=4,
+        world_size=8,
+        grad_clip=1.0,
+        offload_optimizer="cpu",
+        offload_params="cpu",
     )
     assert config["train_batch_size"] == 512 and config["gradient_accumulation_steps"] == 4
     assert config["train_micro_batch_size_per_gpu"] == 16 and config["gradient_clipping"] == 1.0
@@ -300,8 +306,9 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp):
     for attempt in range(3):
         run_dir = in_tmp / f"killed-{attempt}"
         target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
-        process = subprocess.Popen(train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 300
         while newest_step(run_dir) < target and process.poll() is None:
             assert time.monotonic() < deadline

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from clipkit.data import BatchStream, EpochPlan, ImageTransform
+from clipkit.data.loader import BatchStream, EpochPlan, ImageTransform
+from clipkit.data.shard import ShardSource, read_manifest, sha256, verify_shards
+from clipkit.data.shard_writer import write_shards
 from clipkit.errors import DataError
-from clipkit.plugins.synthetic_shapes import SyntheticShapes
-from clipkit.plugins.tokenizers import HashedWordTokenizer
-from clipkit.shard import ShardSource, read_manifest, sha256, verify_shards
-from clipkit.shard_writer import write_shards
+from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
+from clipkit.plugins.tokenizers.basic import HashedWordTokenizer
 from clipkit.types import Sample
 
 TRANSFORM = ImageTransform(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
@@ -201,7 +201,7 @@ def test_manifest_is_json(shards):
 
 
 def test_existing_shards_of_another_source_are_refused(shards):
-    from clipkit.shard import ensure_shards
+    from clipkit.data.shard import ensure_shards
 
     directory, _ = shards
     assert ensure_shards(str(directory), "synthetic://shapes?n=40&seed=3") == directory

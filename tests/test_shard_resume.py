@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from clipkit import api
+from clipkit.data.shard import read_manifest, verify_shards
+from clipkit.data.shard_writer import parse_size, write_shards
 from clipkit.errors import DataError
-from clipkit.plugins.synthetic_shapes import SyntheticShapes
-from clipkit.shard import read_manifest, verify_shards
-from clipkit.shard_writer import parse_size, write_shards
+from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
 
 SYNTHETIC = "synthetic://shapes?n=600&seed=5"
 PER_SHARD = 20

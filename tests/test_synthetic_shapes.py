@@ -1,4 +1,4 @@
-"""Tests for the embedded synthetic shapes dataset (clipkit.plugins.synthetic_shapes)."""
+"""Tests for the embedded synthetic shapes dataset (clipkit.plugins.sources.synthetic_shapes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipkit.plugins import synthetic_shapes as ss
+from clipkit.plugins.sources import synthetic_shapes as ss
 from clipkit.types import Sample
 
 

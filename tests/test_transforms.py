@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from clipkit.transforms import ImageTransform, random_resized_crop_box, resize_center_crop
+from clipkit.data.transforms import ImageTransform, random_resized_crop_box, resize_center_crop
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.5)
 

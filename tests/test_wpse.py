@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.wpse import CosineMeanSimilarity, WPSESimilarity
+from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
 from clipkit.testing import check_similarity, random_points
 from clipkit.types import PointSet
 

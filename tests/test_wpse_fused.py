@@ -9,9 +9,13 @@ import math
 import pytest
 import torch
 
-from clipkit.memory import peak_allocated_bytes
-from clipkit.plugins import wpse
-from clipkit.plugins.wpse import WPSESimilarity, pooled_random_features, pooled_random_features_unfused
+from clipkit.plugins.similarities import wpse
+from clipkit.plugins.similarities.wpse import (
+    WPSESimilarity,
+    pooled_random_features,
+    pooled_random_features_unfused,
+)
+from clipkit.train.memory import peak_allocated_bytes
 from clipkit.types import PointSet
 
 

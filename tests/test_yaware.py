@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.yaware import (
+from clipkit.plugins.losses.yaware import (
     AlignUniform,
     ConditionalAlignUniform,
     SimCLRLoss,

@@ -1,8 +1,8 @@
-"""Derive clipkit's packaged zero-shot data (``clipkit/zeroshot/``) from the upstream source files.
+"""Derive clipkit's packaged zero-shot data (``plugins/evals/zeroshot/``) from the upstream source files.
 
 Usage: ``python tools/make_zeroshot_data.py [SHARED_DATA_DIR]`` (default ``../shared/data``, the
 project's copy of the sources: ``zeroshot/`` and ``fashion-mnist/classes.json``). It rewrites
-``clipkit/zeroshot/classnames.json`` and ``templates.json`` and copies the licence texts.
+``plugins/evals/zeroshot/classnames.json`` and ``templates.json`` and copies the licence texts.
 
 Every list keeps its provenance (``from``: upstream file and key). A list identical to another
 source's list for the same dataset is stored once and referenced with ``same_as`` (classes:
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "clipkit" / "zeroshot"
+OUT = ROOT / "plugins" / "evals" / "zeroshot"
 
 CLIP_COMMIT = "d05afc436d78f1c48dc0dbf8e5980a9d471f35f6"
 PROMPTS_MD = "data/prompts.md"

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from clipkit.model import build_model, build_slot
 from clipkit.recipe import DistributedConfig, load_recipe
 from clipkit.registry import default_registry
-from clipkit.runtime import Runtime, seed_everything
-from clipkit.train import accumulate_exactly, contrastive_loss, forward_loss
+from clipkit.train.loop import accumulate_exactly, contrastive_loss, forward_loss
+from clipkit.train.runtime import Runtime, seed_everything
 
 BATCH = 8
 CASES = [  # (loss, gather_with_grad, local_loss, micro-batch size: 0 = the process's whole share)

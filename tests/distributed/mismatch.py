@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from clipkit import collectives
+from clipkit.train import collectives
 
 
 def main(out: Path) -> None:

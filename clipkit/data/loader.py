@@ -1,0 +1,267 @@
+"""Training batches from shards: an exact epoch plan, split by node, read with WebDataset.
+
+Not passed through ``accelerator.prepare`` (its dispatcher would read rank 0's stream only).
+Instead each epoch is planned from the manifest's per-shard counts, identically on every rank:
+
+1. the shards are put in a seeded order (a permutation, or with ``resampled`` a draw with
+   replacement), giving one stream of samples;
+2. rank r of W takes the contiguous range [r·N/W, (r+1)·N/W) of that stream (so each tar is read
+   by at most two ranks), shuffles it with a buffer seeded by (seed, epoch, rank), and cuts it
+   into ``(N // W) // B`` full batches — the same count on every rank, so collectives never wait;
+3. global batch j of the rank goes to DataLoader worker (j − skip) mod workers. Every worker reads
+   the rank's records (tar I/O only) but decodes only its own batches, so the batches — and a
+   resumed run — are the same for any number of workers.
+
+Every global index therefore appears at most once per epoch, and exactly once when N is a
+multiple of W·B (otherwise fewer than W·B samples, different ones each epoch, wait for the next).
+A resumed run skips the batches it already consumed before decoding them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from clipkit.errors import DataError
+from clipkit.data.shard import decode_record, read_manifest
+from clipkit.data.transforms import ImageTransform, decode_transformed
+
+__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Samples [start, stop) (positions within the tar) of one shard."""
+
+    url: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What one rank reads in one epoch: shard segments and the number of full batches."""
+
+    segments: tuple[Segment, ...]
+    batches: int
+
+    @classmethod
+    def build(cls, shards, *, seed, epoch, rank, world_size, batch_size, resampled=False) -> EpochPlan:
+        """``shards``: [(url, count)] from the manifest; the plan is a pure function of the arguments."""
+        rng = random.Random(f"shards:{seed}:{epoch}")
+        if resampled:
+            ordered = rng.choices(list(shards), k=len(shards))
+        else:
+            ordered = list(shards)
+            rng.shuffle(ordered)
+        total = sum(count for _, count in ordered)
+        low, high = rank * total // world_size, (rank + 1) * total // world_size
+        segments, offset = [], 0
+        for url, count in ordered:
+            start, stop = max(low - offset, 0), min(high - offset, count)
+            if start < stop:
+                segments.append(Segment(url, start, stop))
+            offset += count
+        return cls(tuple(segments), (total // world_size) // batch_size)
+
+
+def read_segments(segments) -> Iterator[dict[str, Any]]:
+    """Raw WebDataset records (bytes per field) of each segment, in order."""
+    import webdataset as wds
+
+    for segment in segments:
+        records = wds.tarfile_to_samples()(iter([{"url": segment.url}]))
+        try:
+            yield from itertools.islice(records, segment.start, segment.stop)
+        finally:
+            records.close()  # stop reading the tar (and close it) past the segment
+
+
+class EpochDataset(torch.utils.data.IterableDataset):
+    """One epoch of one rank's batches (a torch IterableDataset over a WebDataset tar reader)."""
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        *,
+        batch_size,
+        transform,
+        tokenizer,
+        seed,
+        epoch,
+        skip_batches,
+        shuffle_buffer,
+        views,
+        meta_keys=None,
+        rank=0,
+    ):
+        self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
+        self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
+        self.shuffle_buffer, self.views = shuffle_buffer, views
+        self.meta_keys = dict(meta_keys or {})
+
+    def record_batches(self) -> Iterator[list[dict[str, Any]]]:
+        """The rank's batches of raw records, in order (identical in every worker)."""
+        import webdataset as wds
+
+        records = read_segments(self.plan.segments)
+        if self.shuffle_buffer > 1:
+            # One stream per rank (every worker computes the same); the trailing ":0" keeps the seed
+            # string of the earlier per-worker loader, so single-process order is unchanged.
+            rng = random.Random(f"samples:{self.seed}:{self.epoch}:{self.rank}:0")
+            records = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(records)
+        for _ in range(self.plan.batches):
+            yield list(itertools.islice(records, self.batch_size))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        for position, records in enumerate(self.record_batches()):
+            if position >= self.skip_batches and (position - self.skip_batches) % num_workers == worker:
+                yield self.collate(records)
+
+    def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Decode raw records into a batch: image [B,3,S,S] (and image2 in two-view mode),
+        text [B,L] token ids, index [B] global indices, meta {name: list}."""
+        samples = [decode_record(record, "shards") for record in records]
+        rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
+        # One decode per sample for all its views; each sample's rng draws view 1, view 2, caption.
+        transforms = [self.transform] * self.views
+        views = [
+            decode_transformed(s.image, transforms, rng, f"sample {s.meta['index']} ({s.key})")
+            for s, rng in zip(samples, rngs, strict=True)
+        ]
+        batch: dict[str, Any] = {
+            "image": torch.stack([v[0] for v in views]),
+            "index": torch.tensor([int(s.meta["index"]) for s in samples], dtype=torch.long),
+            "meta": batch_meta(samples, self.meta_keys),
+        }
+        if self.views == 2:
+            batch["image2"] = torch.stack([v[1] for v in views])
+        if self.tokenizer is not None:
+            for sample in samples:
+                if not sample.captions:
+                    raise DataError(
+                        f"sample {sample.meta['index']} ({sample.key}) has no caption, but the recipe has a "
+                        "text tower: shard an image-caption source (label-only sets are for evaluation)"
+                    )
+            # One caption per sample per epoch, chosen reproducibly among the sample's captions.
+            batch["text"] = self.tokenizer(
+                [rng.choice(s.captions) for s, rng in zip(samples, rngs, strict=True)]
+            )
+        return batch
+
+
+def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
+    """{key: [value per sample]} for every meta-data key of the first sample (but ``index``), plus
+    each ``name: source`` of ``meta_keys`` as ``name`` holding the values of ``source``."""
+    present = [k for k in samples[0].meta if k != "index"]
+    meta = {k: [s.meta.get(k) for s in samples] for k in present}
+    for name, source in meta_keys.items():
+        if source not in samples[0].meta:
+            raise DataError(
+                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only {sorted(present)}"
+            )
+        meta[name] = meta[source]
+    return meta
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class BatchStream:
+    """Endless batches over epochs; ``position`` is saved in checkpoints for exact resume.
+
+    ``rank``/``world_size`` default to torch.distributed's (0 and 1 without it); ``resampled``
+    draws each epoch's shards with replacement (the WebDataset "resampled" mode, but seeded).
+    """
+
+    def __init__(
+        self,
+        shards,
+        *,
+        batch_size,
+        transform,
+        tokenizer,
+        seed,
+        num_workers=0,
+        shuffle_buffer=1000,
+        views=1,
+        meta_keys=None,
+        resampled=False,
+        rank=None,
+        world_size=None,
+    ):
+        manifest = read_manifest(shards)
+        self.shards = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
+        self.num_samples = int(manifest["n"])
+        self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
+        self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
+        self.views, self.resampled = views, resampled
+        self.meta_keys = dict(meta_keys or {})
+        default_rank, default_size = distributed_rank_and_size()
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_size if world_size is None else world_size
+        self.epoch, self.batch_in_epoch = 0, 0
+        per_rank = self.num_samples // self.world_size
+        if per_rank < batch_size:
+            raise DataError(
+                f"{shards}: {self.num_samples} samples over {self.world_size} process(es) are fewer than "
+                f"one batch of {batch_size} each; lower data.batch_size"
+            )
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def restore(self, position: dict[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = int(position["epoch"]), int(position["batch_in_epoch"])
+
+    def plan(self, epoch: int) -> EpochPlan:
+        return EpochPlan.build(
+            self.shards,
+            seed=self.seed,
+            epoch=epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            resampled=self.resampled,
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            produced = False
+            for batch in self.loader(self.epoch, self.batch_in_epoch):
+                produced = True
+                self.batch_in_epoch += 1
+                yield batch
+            if not produced and self.batch_in_epoch == 0:
+                raise DataError(f"epoch {self.epoch} yielded no full batch; lower data.batch_size")
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def loader(self, epoch: int, skip_batches: int):
+        dataset = EpochDataset(
+            self.plan(epoch),
+            batch_size=self.batch_size,
+            transform=self.transform,
+            tokenizer=self.tokenizer,
+            seed=self.seed,
+            epoch=epoch,
+            skip_batches=skip_batches,
+            shuffle_buffer=self.shuffle_buffer,
+            views=self.views,
+            meta_keys=self.meta_keys,
+            rank=self.rank,
+        )
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

@@ -1,0 +1,212 @@
+"""Shard sets: opening sources, the manifest, reading shards back, checking a set.
+
+A shard set is a directory of WebDataset tars ``shard-NNNNNN.tar`` plus ``manifest.json``;
+:mod:`clipkit.data.shard_writer` writes them (resumably, atomically). Each sample is stored under
+key = its global index (zero-padded) with fields ``<image_ext>`` (the image bytes as given),
+``txt`` (the first caption, if any) and ``json`` (``{"index", "key", "captions", "meta"}``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from clipkit import __version__
+from clipkit.errors import ClipkitError, DataError
+from clipkit.types import Sample
+
+MANIFEST = "manifest.json"
+SHARD_PATTERN = "shard-%06d.tar"
+
+
+def open_source(uri: str, options: dict[str, Any] | None = None, *, pm=None):
+    """The first ``open_source`` plugin that accepts ``uri``."""
+    if pm is None:
+        from clipkit.registry import default_registry
+
+        pm = default_registry().pm
+    source = pm.hook.open_source(uri=uri, options=dict(options or {}))
+    if source is None:
+        raise ClipkitError(
+            f"no data source accepts {uri!r}: expected a shard directory (with {MANIFEST}), "
+            "synthetic://shapes[?n=...&split=...], or a URI a plugin handles"
+        )
+    return source
+
+
+def build_manifest(shards: list[dict[str, Any]], fields: list[str], source: str, info: dict) -> dict:
+    """The manifest of a finished set: ``n``, per-shard name/count/sha256/first_index, fields, source,
+    the source's ``info()`` (labels, skipped counts by reason) and the clipkit version."""
+    return {
+        "format": "clipkit-shards/1",
+        "n": sum(shard["count"] for shard in shards),
+        "shards": shards,
+        "fields": fields,
+        "source": source,
+        "info": info,
+        "clipkit_version": __version__,
+    }
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path | str) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{directory} is not a clipkit shard directory: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}: invalid JSON ({error})") from error
+    for key in ("n", "shards"):
+        if key not in manifest:
+            raise DataError(f"{path}: missing key {key!r}")
+    return manifest
+
+
+def shard_urls(directory: Path | str) -> list[str]:
+    manifest = read_manifest(directory)
+    return [str(Path(directory) / shard["name"]) for shard in manifest["shards"]]
+
+
+class ShardSource:
+    """Reads a shard directory back as :class:`Sample` records in index order (eval, re-sharding)."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+
+    def __len__(self) -> int:
+        return int(self.manifest["n"])
+
+    def info(self) -> dict[str, Any]:
+        return dict(self.manifest.get("info") or {})
+
+    def __iter__(self) -> Iterator[Sample]:
+        import webdataset as wds
+
+        for record in wds.WebDataset(shard_urls(self.directory), shardshuffle=False, empty_check=False):
+            yield decode_record(record, self.directory)
+
+
+def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
+    """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded)."""
+    key = record.get("__key__", "?")
+    try:
+        meta = json.loads(record["json"])
+        image_ext = next(ext for ext in ("png", "jpg", "jpeg", "webp", "bmp") if ext in record)
+    except (KeyError, StopIteration, json.JSONDecodeError) as error:
+        raise DataError(f"{where}: sample {key!r} lacks an image or a valid json field ({error})") from error
+    return Sample(
+        key=str(meta.get("key", key)),
+        image=record[image_ext],
+        image_ext=image_ext,
+        captions=tuple(meta.get("captions") or ()),
+        # The global index wins over a source column named "index" (pandas exports have one).
+        meta={**(meta.get("meta") or {}), "index": meta.get("index")},
+    )
+
+
+def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
+    """Return the shard directory, creating it from ``source`` first when it has no manifest."""
+    directory = Path(shards)
+    if (directory / MANIFEST).is_file():
+        made_from = read_manifest(directory).get("source")
+        if source and made_from != source:
+            # Reusing shards of another source would silently train on the wrong data.
+            raise DataError(
+                f"{directory} holds shards of {made_from!r}, not data.source {source!r}: "
+                "point data.shards at a new directory (or remove the old one)"
+            )
+        return directory
+    if not source:
+        raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
+    from clipkit.data.shard_writer import write_shards
+
+    opened = open_source(source, pm=pm)
+    write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+    return directory
+
+
+def verify_shards(directory: Path | str) -> dict[str, Any]:
+    """Check a shard set against its manifest; returns ``{"n", "shards", "problems"}``.
+
+    Problems found: a missing, unlisted or altered shard (sha256), a per-shard sample count
+    that differs from the manifest, a sample whose key and ``json`` index disagree or lacks an
+    image, and global indices that are not exactly [0, n) once each. Reads every tar but
+    decodes no image (the checksums cover the bytes).
+    """
+    import tarfile
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    problems: list[str] = []
+    listed = {shard["name"] for shard in manifest["shards"]}
+    for path in sorted(directory.glob("*.tar")):
+        if path.name not in listed:
+            problems.append(f"{path.name}: a tar file the manifest does not list")
+    seen: dict[int, str] = {}
+    for shard in manifest["shards"]:
+        path = directory / shard["name"]
+        if not path.is_file():
+            problems.append(f"{shard['name']}: missing")
+            continue
+        if sha256(path) != shard.get("sha256"):
+            problems.append(f"{shard['name']}: sha256 differs from the manifest (the file changed)")
+        try:
+            with tarfile.open(path) as tar:
+                records = shard_records(tar)
+        except (tarfile.TarError, OSError) as error:
+            problems.append(f"{shard['name']}: unreadable tar ({error})")
+            continue
+        if len(records) != shard.get("count"):
+            expected = shard.get("count")
+            problems.append(f"{shard['name']}: {len(records)} samples, the manifest says {expected}")
+        for key, record in records.items():
+            problems.extend(check_record(shard["name"], key, record, seen))
+    n = int(manifest["n"])
+    missing = [index for index in range(n) if index not in seen]
+    if missing:
+        problems.append(f"{len(missing)} global indices missing, e.g. {missing[:5]}")
+    outside = sorted(index for index in seen if not 0 <= index < n)
+    if outside:
+        problems.append(f"{len(outside)} global indices outside [0, {n}), e.g. {outside[:5]}")
+    return {"n": n, "shards": len(manifest["shards"]), "problems": problems}
+
+
+def shard_records(tar) -> dict[str, dict[str, bytes]]:
+    """{key: {field: bytes}} of one tar; only ``json`` bodies are read (images are skipped)."""
+    records: dict[str, dict[str, bytes]] = {}
+    for member in tar:
+        if not member.isfile():
+            continue
+        key, _, field = member.name.partition(".")
+        body = tar.extractfile(member).read() if field == "json" else b""
+        records.setdefault(key, {})[field] = body
+    return records
+
+
+def check_record(shard: str, key: str, record: dict[str, bytes], seen: dict[int, str]) -> list[str]:
+    where = f"{shard}: sample {key!r}"
+    if not any(field in record for field in ("png", "jpg", "jpeg", "webp", "bmp")):
+        return [f"{where}: no image field (has {sorted(record)})"]
+    try:
+        index = int(json.loads(record["json"])["index"])
+    except (KeyError, TypeError, ValueError) as error:
+        return [f"{where}: no readable json index ({error})"]
+    problems = []
+    if key != f"{index:09d}":
+        problems.append(f"{where}: key does not match its json index {index}")
+    if index in seen:
+        problems.append(f"{where}: global index {index} also in {seen[index]}")
+    seen[index] = shard
+    return problems

@@ -1,0 +1,300 @@
+"""Writing shard sets: resumable after any interruption (kill -9 included), atomic when complete.
+
+Layout while writing ``OUT``: a sibling directory ``OUT.partial/`` holds the finished shards
+``shard-NNNNNN.tar``, at most one shard being written (``*.tar.tmp``) and ``journal.json``, which
+lists every finished shard (name, count, sha256, first global index) with the source's position
+after its last sample. A shard is finished in this order: close → fsync → rename → journal
+(written atomically). After a crash anywhere, the journal therefore names exactly the shards that
+are complete; anything else in ``OUT.partial/`` is deleted and rewritten.
+
+Rerunning with the same source and settings continues: the source restores its position (its
+``state()``/``restore()``, as :class:`clipkit.plugins.sources.file_sources.FileSource` has) or, for a source
+without them, the samples already written are skipped (re-read, not re-written). Global indices
+continue from the journal, so the finished set has every index in [0, n) exactly once. The tar
+members carry a fixed mtime, so an interrupted-then-resumed run writes byte-identical shards to an
+uninterrupted one. When the source is exhausted, ``manifest.json`` is written and ``OUT.partial``
+is renamed to ``OUT`` (an existing ``OUT`` is swapped out only then).
+
+Each sample is stored under key = its global index (zero-padded, 9 digits) with fields
+``<image_ext>`` (the image bytes as given), ``txt`` (the first caption, when there is one) and
+``json`` (``{"index", "key", "captions", "meta"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from clipkit.errors import ClipkitError, DataError
+from clipkit.io import atomic_write_text, replace_directory
+from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, sha256
+from clipkit.types import Sample
+
+JOURNAL = "journal.json"
+JOURNAL_FORMAT = "clipkit-shard-journal/1"
+#: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical).
+MEMBER_MTIME = 0.0
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """``"500MB"``, ``"1GiB"``, ``"4096"`` or an int -> bytes; None stays None."""
+    if text is None or isinstance(text, int):
+        return text
+    stripped = str(text).strip().lower().replace(" ", "")
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number) :]
+    try:
+        if unit not in UNITS:
+            raise ValueError
+        return int(float(number) * UNITS[unit])
+    except ValueError:
+        raise ClipkitError(f"cannot read the size {text!r}: use e.g. 500MB, 1GiB or bytes") from None
+
+
+def partial_directory(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".partial")
+
+
+def encode_sample(sample: Sample, index: int) -> dict[str, Any]:
+    """A :class:`Sample` -> the WebDataset record stored under global ``index``."""
+    record: dict[str, Any] = {
+        "__key__": f"{index:09d}",
+        sample.image_ext: sample.image,
+        "json": {
+            "index": index,
+            "key": sample.key,
+            "captions": list(sample.captions),
+            "meta": dict(sample.meta),
+        },
+    }
+    if sample.captions:
+        record["txt"] = sample.captions[0]
+    return record
+
+
+def write_shards(
+    samples: Iterable[Sample],
+    out_dir: Path | str,
+    *,
+    source: str,
+    info: dict[str, Any] | None = None,
+    samples_per_shard: int = 1000,
+    max_shard_bytes: int | str | None = None,
+    settings: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``samples`` as shards in ``out_dir`` (resuming ``out_dir.partial`` if there is one).
+
+    A shard closes at ``samples_per_shard`` samples or once it holds ``max_shard_bytes`` bytes
+    (it may exceed that by one sample). ``settings`` (e.g. the source options) must match on a
+    resume. Returns the manifest.
+    """
+    writer = ResumableWriter(
+        Path(out_dir),
+        source=source,
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=parse_size(max_shard_bytes),
+        settings=settings or {},
+    )
+    return writer.run(samples, info or {}, progress)
+
+
+class ResumableWriter:
+    """One shard set being written; see the module docs for the on-disk protocol."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        source: str,
+        samples_per_shard: int,
+        max_shard_bytes: int | None,
+        settings: dict[str, Any],
+    ) -> None:
+        if samples_per_shard <= 0:
+            raise ClipkitError(f"samples_per_shard must be > 0, got {samples_per_shard}")
+        if max_shard_bytes is not None and max_shard_bytes <= 0:
+            raise ClipkitError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+        self.out_dir, self.partial = out_dir, partial_directory(out_dir)
+        self.identity = {
+            "source": source,
+            "samples_per_shard": samples_per_shard,
+            "max_shard_bytes": max_shard_bytes,
+            "settings": json.loads(json.dumps(settings, default=str)),
+        }
+        self.source = source
+        self.samples_per_shard, self.max_shard_bytes = samples_per_shard, max_shard_bytes
+        self.shards: list[dict[str, Any]] = []
+        self.state: dict[str, Any] = {}
+        self.fields: set[str] = set()
+
+    # -- journal ---------------------------------------------------------------------------
+
+    @property
+    def written(self) -> int:
+        return sum(shard["count"] for shard in self.shards)
+
+    def load_journal(self) -> bool:
+        """Pick up ``OUT.partial`` if it exists (True when resuming); clear what the journal lacks."""
+        path = self.partial / JOURNAL
+        if not path.is_file():
+            shutil.rmtree(self.partial, ignore_errors=True)
+            self.partial.mkdir(parents=True)
+            return False
+        try:
+            journal = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise DataError(f"{path}: unreadable journal ({error}); delete {self.partial}") from None
+        if journal.get("identity") != self.identity:
+            raise DataError(
+                f"{self.partial} holds an interrupted run with other arguments "
+                f"({json.dumps(journal.get('identity'))}); rerun with those arguments to finish it, "
+                f"or delete {self.partial} to start over"
+            )
+        self.shards, self.state = list(journal["shards"]), dict(journal.get("state") or {})
+        self.fields = set(journal.get("fields") or [])
+        listed = {shard["name"] for shard in self.shards} | {JOURNAL}
+        for leftover in self.partial.iterdir():
+            if leftover.name not in listed:
+                leftover.unlink()  # an unfinished .tmp, or a shard renamed just before a crash
+        return True
+
+    def save_journal(self) -> None:
+        journal = {
+            "format": JOURNAL_FORMAT,
+            "identity": self.identity,
+            "shards": self.shards,
+            "state": self.state,
+            "fields": sorted(self.fields),
+        }
+        atomic_write_text(self.partial / JOURNAL, json.dumps(journal, indent=1) + "\n")
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def run(self, samples: Iterable[Sample], info: dict[str, Any], progress) -> dict[str, Any]:
+        resuming = self.load_journal()
+        iterator = self.resumed_iterator(samples) if resuming else iter(samples)
+        if progress is not None and self.written:
+            progress(self.written)
+        shard = None
+        try:
+            for sample in iterator:
+                if shard is None:
+                    shard = self.open_shard()
+                shard.write(encode_sample(sample, self.written + shard.count), sample)
+                if progress is not None:
+                    progress(1)
+                if self.is_full(shard):
+                    self.finish_shard(shard, samples)
+                    shard = None
+            if shard is not None:
+                self.finish_shard(shard, samples)
+                shard = None
+        finally:
+            if shard is not None:
+                shard.abandon()  # its .tmp is deleted and rewritten by the next run
+        if hasattr(samples, "info"):
+            # Read after the pass: sources count what they skipped (by reason) while iterating.
+            info = {**info, **samples.info()}
+        if self.written == 0:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            raise DataError(f"source {self.source!r} yielded no samples; nothing written to {self.out_dir}")
+        return self.complete(info)
+
+    def resumed_iterator(self, samples: Iterable[Sample]) -> Iterator[Sample]:
+        """Samples after the last finished shard: the source's own position, or skip-by-count."""
+        if hasattr(samples, "restore") and "source_state" in self.state:
+            samples.restore(self.state["source_state"])
+            return iter(samples)
+        iterator = iter(samples)
+        for _ in range(self.written):
+            if next(iterator, None) is None:
+                raise DataError(
+                    f"{self.partial}: the source now yields fewer samples than the {self.written} "
+                    "already written; it changed since the interrupted run — delete the .partial directory"
+                )
+        return iterator
+
+    def is_full(self, shard: OpenShard) -> bool:
+        by_size = self.max_shard_bytes is not None and shard.size >= self.max_shard_bytes
+        return shard.count >= self.samples_per_shard or by_size
+
+    def open_shard(self) -> OpenShard:
+        name = SHARD_PATTERN % len(self.shards)
+        return OpenShard(self.partial / name, first_index=self.written)
+
+    def finish_shard(self, shard: OpenShard, samples) -> None:
+        final = shard.close()
+        self.fields.update(shard.fields)
+        digest = sha256(final)
+        self.shards.append(
+            {"name": final.name, "count": shard.count, "sha256": digest, "first_index": shard.first_index}
+        )
+        self.state = {"source_state": samples.state()} if hasattr(samples, "state") else {}
+        self.save_journal()
+
+    def complete(self, info: dict[str, Any]) -> dict[str, Any]:
+        manifest = build_manifest(self.shards, sorted(self.fields), self.source, info)
+        atomic_write_text(self.partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        (self.partial / JOURNAL).unlink()
+        replace_directory(self.partial, self.out_dir)
+        return manifest
+
+
+class OpenShard:
+    """A tar shard being written to ``NAME.tmp``; :meth:`close` makes it ``NAME`` durably."""
+
+    def __init__(self, path: Path, *, first_index: int) -> None:
+        import webdataset as wds
+
+        self.path, self.first_index = path, first_index
+        self.temporary = path.with_name(path.name + ".tmp")
+        self.stream = self.temporary.open("wb")
+        self.writer = wds.TarWriter(self.stream, mtime=MEMBER_MTIME)
+        self.count = 0
+        self.fields: set[str] = set()
+
+    @property
+    def size(self) -> int:
+        """Bytes of tar members so far (headers + padded data); the file adds the end-of-archive
+        blocks, padded to tar's 10 KiB record size."""
+        return self.writer.tarstream.offset
+
+    def write(self, record: dict[str, Any], sample: Sample) -> None:
+        try:
+            self.writer.write(record)
+        except (TypeError, ValueError) as error:  # e.g. meta-data json cannot encode
+            raise DataError(f"sample {sample.key!r} cannot be written: {error}") from error
+        self.fields.update(key for key in record if not key.startswith("__"))
+        self.count += 1
+
+    def abandon(self) -> None:
+        """Close without finishing (the ``.tmp`` stays until the next run deletes it)."""
+        self.writer.close()
+        self.stream.close()
+
+    def close(self) -> Path:
+        self.writer.close()  # closes the tar stream, not our file object
+        self.stream.flush()
+        os.fsync(self.stream.fileno())
+        self.stream.close()
+        os.replace(self.temporary, self.path)
+        fsync_directory(self.path.parent)
+        return self.path
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX); a no-op where directories can't be opened."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)

@@ -1,0 +1,155 @@
+"""Evaluation helpers shared by eval plugins, and the runner behind ``clipkit eval``.
+
+Scores always go through the model's own similarity (never a hard-coded cosine × 100),
+so every similarity clipkit has — including ones that do not factorise into embeddings —
+can be evaluated. Random-feature similarities get a generator re-seeded with the export's
+``eval_seed`` on every call, so images and texts see the same features.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clipkit.data.shard import open_source
+from clipkit.data.transforms import decode_transformed
+from clipkit.errors import ClipkitError, DataError
+from clipkit.model import ContrastiveModel, build_slot
+from clipkit.registry import Registry
+from clipkit.types import PointSet, Sample
+
+
+def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Generator:
+    """A generator seeded with ``seed`` (default: the export's ``eval_seed``)."""
+    generator = torch.Generator()
+    generator.manual_seed(int(getattr(model, "eval_seed", 0) if seed is None else seed))
+    return generator
+
+
+def uses_random_features(model: ContrastiveModel) -> bool:
+    """Whether the model's similarity draws random features (WPSE): its scores depend on the seed."""
+    return bool(getattr(model.similarity, "uses_random_features", False))
+
+
+def feature_seeds(model: ContrastiveModel, repeats: int | None) -> list[int]:
+    """The random-feature seeds an eval repeats over: ``eval_seed, eval_seed + 1, ...``.
+
+    ``repeats`` None means 5 for random-feature similarities (mean ± std over feature draws, as
+    the WPSE paper reports) and 1 otherwise; a deterministic similarity never needs more than one.
+    """
+    count = (5 if uses_random_features(model) else 1) if repeats is None else int(repeats)
+    if count < 1:
+        raise ClipkitError(f"feature_seeds must be >= 1, got {count}")
+    if not uses_random_features(model):
+        count = 1
+    base = int(getattr(model, "eval_seed", 0))
+    return [base + i for i in range(count)]
+
+
+def mean_and_std(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean over repeated evals; with several runs also ``<key>_std`` (sample std)."""
+    summary: dict[str, float] = {}
+    for key in runs[0]:
+        values = torch.tensor([run[key] for run in runs], dtype=torch.float64)
+        summary[key] = float(values.mean())
+        if len(runs) > 1:
+            summary[f"{key}_std"] = float(values.std())
+    return summary
+
+
+@torch.no_grad()
+def encode_images(model: ContrastiveModel, samples: Sequence[Sample], batch_size: int = 256) -> PointSet:
+    """Decode, preprocess (eval transform) and encode -> PointSet [len(samples), M_x, d] (fp32)."""
+    parts = []
+    rng = random.Random(0)  # the eval transform is deterministic; the rng is unused
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        images = torch.stack(
+            [decode_transformed(s.image, model.transform, rng, f"sample {s.key}")[0] for s in chunk]
+        )
+        parts.append(model.encode_image(images).float())
+    return PointSet.cat(parts)
+
+
+@torch.no_grad()
+def encode_texts(model: ContrastiveModel, texts: Sequence[str], batch_size: int = 256) -> PointSet:
+    """Tokenize and encode -> PointSet [len(texts), M_y, d] (fp32)."""
+    parts = []
+    for start in range(0, len(texts), batch_size):
+        parts.append(model.encode_text(model.tokenizer(list(texts[start : start + batch_size]))).float())
+    return PointSet.cat(parts)
+
+
+@torch.no_grad()
+def image_text_logits(
+    model: ContrastiveModel, images: PointSet, texts: PointSet, chunk: int = 1024, seed: int | None = None
+) -> torch.Tensor:
+    """[N_images, N_texts] similarity logits, computed in image chunks (memory: chunk × N_texts
+    logits; a similarity may recompute the texts' side once per chunk, e.g. WPSE's features).
+
+    Every chunk gets a generator seeded identically (``seed``, default the export's eval_seed), so
+    a random-feature similarity uses one feature draw for the whole matrix.
+    """
+    rows = []
+    for start in range(0, images.batch_size, chunk):
+        part = images.rows(start, start + chunk)
+        rows.append(model.similarity(part, texts, generator=eval_generator(model, seed)).i2t)
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def embed_points(model: ContrastiveModel, points: PointSet) -> tuple[torch.Tensor, bool]:
+    """[B, M, d] -> (the similarity's ``embed`` vector [B, D] with the export's eval features, True),
+    or (the weighted point mean [B, d], False) when the similarity has no finite embedding (KME).
+
+    The generator is re-seeded on every call, so every chunk of a data set (and the texts) sees
+    the same random features, exactly as :func:`image_text_logits` scores them.
+    """
+    vector = model.similarity.embed(points, generator=eval_generator(model))
+    return (points.mean(), False) if vector is None else (vector, True)
+
+
+def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+    """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
+    k = min(k, logits.shape[1])
+    hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
+    return float(hits.float().mean())
+
+
+def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:
+    """All samples (up to ``limit``) and the info of the source at ``data``."""
+    source = open_source(data, pm=registry.pm)
+    samples: list[Sample] = []
+    for sample in source:
+        if limit is not None and len(samples) >= limit:
+            break
+        samples.append(sample)
+    if not samples:
+        raise DataError(f"{data}: no samples to evaluate")
+    return samples, dict(source.info())
+
+
+def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry: Registry) -> list[dict]:
+    """Build each eval task by registered name and run it on ``model``."""
+    results = []
+    model.eval()
+    for i, config in enumerate(tasks):
+        task = build_slot(registry, "eval", config, f"eval.{i}")
+        result = task(model, registry)
+        results.append({"name": config["name"], **result})
+    return results
+
+
+def evaluate_export(export_dir: Path, tasks: list[dict] | None, registry: Registry) -> dict[str, Any]:
+    """Load an export and run ``tasks`` (default: the eval section of its recipe)."""
+    from clipkit.export import load_export
+
+    model, metadata = load_export(export_dir, registry)
+    tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
+    if not tasks:
+        raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")
+    return {"export": str(export_dir), "results": run_evals(model, tasks, registry)}

@@ -1,0 +1,31 @@
+"""Built-in data sources (``open_source``, a firstresult hook): clipkit shard directories, the
+synthetic shapes, standard dataset layouts and local files/tables.
+
+The one hook is ``trylast``, so a third-party ``open_source`` can take over any URI. It tries
+the readers from the most specific URI form to the most general; each returns None for a URI
+that is not its form. Implementations are imported inside the hook.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clipkit.hookspecs import hookimpl
+
+
+@hookimpl(trylast=True)
+def open_source(uri, options):
+    from clipkit.data.shard import MANIFEST, ShardSource
+    from clipkit.plugins.sources.dataset_sources import open_dataset_source
+    from clipkit.plugins.sources.file_sources import open_file_source
+    from clipkit.plugins.sources.synthetic_shapes import parse_synthetic_uri
+
+    synthetic = parse_synthetic_uri(uri)
+    if synthetic is not None:
+        return synthetic
+    if "://" not in uri and (Path(uri) / MANIFEST).is_file():
+        return ShardSource(uri)
+    dataset = open_dataset_source(uri, options)
+    if dataset is not None:
+        return dataset
+    return open_file_source(uri, options)

@@ -1,0 +1,312 @@
+"""What every file source shares: bad rows skipped and counted (or raised), ordered concurrent
+building, resumable positions, and the checks on images, captions and meta-data.
+
+A source subclasses :class:`FileSource` and yields ``(where, build)`` candidates; ``build()``
+returns a :class:`~clipkit.types.Sample` or raises :class:`BadRow` with the reason it is counted
+under. Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import io
+import itertools
+import json
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clipkit.errors import DataError
+from clipkit.types import Sample
+
+if TYPE_CHECKING:
+    pass
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: PIL format -> the shard field name; only encodings clipkit.data.shard.decode_record reads back.
+#: "MPO" is how PIL reads camera JPEGs that carry a multi-picture extension: plain JPEG files to any decoder.
+PIL_FORMAT_EXT = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp", "BMP": "bmp"}
+#: Longest caption kept, in characters (option ``max_caption_chars``). A 77-token CLIP text encoder
+#: reads ~300 characters and detailed-caption datasets average around a thousand; ten thousand
+#: leaves room for any real caption but catches what is not one (a scraped page, a file pasted into
+#: a cell), which would bloat every shard record and tokenizer call.
+DEFAULT_MAX_CAPTION_CHARS = 10_000
+LINE_BREAKS = re.compile(r"\r\n|\r|\n")
+#: C0 controls but tab, line feed and carriage return; DEL; C1 controls. NUL is refused before this.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def truthy(value: Any) -> bool:
+    """Options from a CLI arrive as strings: "false" and "0" must mean False."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def positive_int(options: dict[str, Any], key: str, default: int) -> int:
+    """``options[key]`` as an int >= 1 (CLI options arrive as strings); DataError naming the key."""
+    value = options.get(key, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise DataError(f"source option {key}={value!r} is not an integer") from None
+    if number < 1:
+        raise DataError(f"source option {key}={value!r} must be >= 1")
+    return number
+
+
+def common_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`FileSource` settings every source here takes (as the file sources read them)."""
+    return {
+        "strict": truthy(options.get("strict", False)),
+        "workers": positive_int(options, "workers", 1),
+        "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
+    }
+
+
+class BadRow(Exception):
+    """One row cannot become a sample; ``reason`` is the key it is counted under in ``skipped``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def read_image(path: Path) -> tuple[bytes, str]:
+    """The file's bytes and shard extension; BadRow if it is missing or not a readable image."""
+    try:
+        data = path.read_bytes()
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        reason = getattr(error, "strerror", None) or error
+        raise BadRow("missing_image", f"image {path} cannot be read ({reason})") from None
+    return data, verify_image_bytes(data, f"image {path}")
+
+
+# warnings.catch_warnings swaps the process-wide filter list, which is not thread-safe before Python
+# 3.14, and sources verify images in a thread pool (``workers``): the swap is serialised. Only the
+# header parse (``Image.open``, where PIL checks the pixel count) runs under this lock.
+_BOMB_CHECK_LOCK = threading.Lock()
+
+
+def verify_image_bytes(data: bytes, where: str) -> str:
+    """The shard extension of encoded image ``data`` (read from a file or downloaded); BadRow naming
+    ``where`` unless the image fully decodes, in a format the shards store.
+
+    The pixels are decoded (``load()`` under PIL's default ``LOAD_TRUNCATED_IMAGES = False``), as the
+    training loader decodes them, so what passes here decodes there; ``Image.verify`` alone lets a
+    JPEG or BMP truncated inside its pixel data through. The bytes are kept as given (no re-encoding).
+    Reasons: "bad_image" (empty, not an image, truncated, corrupt, zero-size), "unsupported_image"
+    (a format other than PNG / JPEG / WebP / BMP), "image_too_large" (more than
+    ``PIL.Image.MAX_IMAGE_PIXELS`` pixels: PIL's decompression-bomb guard; its warning counts as an error).
+    """
+    from PIL import Image
+
+    if not data:
+        raise BadRow("bad_image", f"{where} is empty (0 bytes)")
+    try:
+        with _BOMB_CHECK_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise BadRow("image_too_large", f"{where}: {error}") from None
+    except Exception as error:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
+        raise BadRow("bad_image", f"{where} is not a readable image ({error})") from None
+    with image:
+        # Checked before decoding: only the formats the shards store are ever decoded.
+        if image.format not in PIL_FORMAT_EXT:
+            raise BadRow("unsupported_image", f"{where}: {image.format} is not stored in shards "
+                         "(PNG, JPEG, WebP and BMP are)")  # fmt: skip
+        if image.width < 1 or image.height < 1:
+            raise BadRow("bad_image", f"{where}: zero-size image {image.size}")
+        try:
+            image.load()
+        except Exception as error:
+            raise BadRow("bad_image", f"{where} does not decode ({error})") from None
+        return PIL_FORMAT_EXT[image.format]
+
+
+def clean_captions(
+    values: list[Any], where: str, max_chars: int = DEFAULT_MAX_CAPTION_CHARS
+) -> tuple[str, ...]:
+    """Stripped non-empty captions, control characters turned into spaces.
+
+    BadRow: "bad_caption" for a non-string or a caption holding NUL (binary data, or UTF-16 text
+    read as UTF-8); "bad_encoding" for non-UTF-8 text; "caption_too_long" for a caption of more
+    than ``max_chars`` characters; "empty_caption" when none is left. Other control characters
+    (C0 but tab / line feed / carriage return, DEL, C1) are stray bytes from scraping or legacy
+    encodings, harmless to keep the sample for: each becomes a space.
+    """
+    captions = []
+    for value in values:
+        if not isinstance(value, str):
+            raise BadRow("bad_caption", f"{where}: caption {preview(value)} is not a string")
+        check_utf8(value, where)
+        if "\x00" in value:
+            raise BadRow("bad_caption", f"{where}: caption contains NUL (binary data or UTF-16 text?)")
+        text = CONTROL_CHARACTERS.sub(" ", value).strip()
+        if len(text) > max_chars:
+            raise BadRow("caption_too_long", f"{where}: caption of {len(text)} characters (max_caption_chars "
+                         f"is {max_chars}): {preview(text)}")  # fmt: skip
+        if text:
+            captions.append(text)
+    if not captions:
+        raise BadRow("empty_caption", f"{where}: no non-empty caption")
+    return tuple(captions)
+
+
+def preview(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for messages about huge values."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
+
+def check_utf8(text: str, where: str) -> None:
+    # Text read with errors="surrogateescape" keeps undecodable bytes as lone surrogates.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRow("bad_encoding", f"{where}: text is not valid UTF-8") from None
+
+
+def check_meta(meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """``meta`` when it can be stored; BadRow("bad_meta") naming the first offending key otherwise.
+
+    Each value must be a JSON scalar or a flat list of them: the loader collates meta-data by key
+    into lists that losses turn into ``[N]`` / ``[N, p]`` tensors, so an object (or a list of lists)
+    is a row that would fail there. The whole record must be strict UTF-8 JSON: Python's ``json``
+    reads and writes NaN and Infinity, which JSON has no numbers for (other readers of the shards
+    and the manifest reject them), and a lone surrogate is no UTF-8 text.
+    """
+    for key, value in meta.items():
+        if not (is_scalar(value) or (isinstance(value, list) and all(is_scalar(v) for v in value))):
+            raise BadRow("bad_meta", f"{where}: meta-data {key!r} = {preview(value)} is neither a JSON "
+                         "scalar nor a flat list of them")  # fmt: skip
+        try:
+            json.dumps({key: value}, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except (ValueError, TypeError) as error:  # NaN / inf; a non-JSON type; UnicodeEncodeError
+            raise BadRow("bad_meta", f"{where}: meta-data {key!r} = {preview(value)} is not strict "
+                         f"JSON ({error})") from None  # fmt: skip
+    return meta
+
+
+def attempt(where: str, build: Callable[[], Sample]) -> Sample | BadRow:
+    """``build()``, with a :class:`BadRow` returned instead of raised (for thread pools)."""
+    try:
+        return build()
+    except BadRow as bad:
+        return bad
+
+
+def ordered_map(
+    function: Callable[[str, Callable[[], Sample]], Any],
+    candidates: Iterator[tuple[str, Callable[[], Sample]]],
+    workers: int,
+) -> Iterator[tuple[str, Any]]:
+    """``(where, function(where, build))`` for each candidate, in input order.
+
+    With ``workers`` > 1 the calls run in a thread pool (image reads, verification and downloads
+    release the GIL) with at most ``4 × workers`` in flight, so memory stays bounded on big sources.
+    """
+    if workers <= 1:
+        for where, build in candidates:
+            yield where, function(where, build)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    window = 4 * workers
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="clipkit-source") as pool:
+        pending: collections.deque = collections.deque()
+        for where, build in candidates:
+            pending.append((where, pool.submit(function, where, build)))
+            if len(pending) >= window:
+                done_where, future = pending.popleft()
+                yield done_where, future.result()
+        while pending:
+            done_where, future = pending.popleft()
+            yield done_where, future.result()
+
+
+class FileSource(abc.ABC):
+    """Base of the file sources: iteration that skips-and-counts (or raises on) bad rows.
+
+    Subclasses implement ``candidates()`` yielding ``(where, build)``: ``where`` names the file and
+    row for messages, ``build()`` returns the :class:`Sample` or raises :class:`BadRow`.
+    """
+
+    name = "files"
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        strict: bool = False,
+        workers: int = 1,
+        max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
+    ) -> None:
+        self.path = Path(path)
+        self.strict = strict
+        self.max_caption_chars = int(max_caption_chars)
+        if int(workers) < 1:
+            raise DataError(f"{self.path}: workers must be >= 1, got {workers}")
+        self.workers = int(workers)
+        self.skipped: dict[str, int] = {}
+        self.yielded = 0
+        self.consumed = 0
+        self.complete = False
+        self._length: int | None = None
+        self._resume_from: dict[str, Any] | None = None
+
+    @abc.abstractmethod
+    def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
+        """Every row or file of the source as ``(where, build)``, in a stable order."""
+
+    def __iter__(self) -> Iterator[Sample]:
+        resume = self._resume_from or {}
+        self._resume_from = None
+        self.consumed = int(resume.get("consumed", 0))
+        self.yielded = int(resume.get("yielded", 0))
+        self.skipped = dict(resume.get("skipped", {}))
+        self.complete = False
+        remaining = itertools.islice(self.candidates(), self.consumed, None)
+        for where, outcome in ordered_map(attempt, remaining, self.workers):
+            # Counted in source order (not completion order), so state() matches what was yielded.
+            self.consumed += 1
+            if isinstance(outcome, BadRow):
+                if self.strict:
+                    raise DataError(f"{where}: {outcome.reason}: {outcome.detail}")
+                self.skipped[outcome.reason] = self.skipped.get(outcome.reason, 0) + 1
+                continue
+            self.yielded += 1
+            yield outcome
+        self.complete = True
+
+    def state(self) -> dict[str, Any]:
+        """Where iteration stands: candidates consumed, samples yielded, skips by reason (JSON-able)."""
+        return {"consumed": self.consumed, "yielded": self.yielded, "skipped": dict(self.skipped)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Make the next iteration continue after ``state`` (from :meth:`state`) without rebuilding
+        the candidates it had consumed (resumable ``clipkit shard``)."""
+        self._resume_from = dict(state)
+
+    def __len__(self) -> int:
+        """Rows (or images) found; an upper bound on the samples yielded, as bad ones are skipped."""
+        if self._length is None:
+            self._length = sum(1 for _ in self.candidates())
+        return self._length
+
+    def info(self) -> dict[str, Any]:
+        """Name and path; after a full iteration also ``n`` (samples yielded) and ``skipped``."""
+        info: dict[str, Any] = {"name": self.name, "path": str(self.path)}
+        if self.complete:
+            info.update(n=self.yielded, skipped=dict(sorted(self.skipped.items())))
+        return info
+
+
+def is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))

@@ -1,0 +1,341 @@
+"""Table sources: one image (path, URL or encoded bytes) per row of a JSONL / CSV / TSV / parquet
+table, with caption and meta-data columns. See :mod:`clipkit.plugins.sources.file_sources` for the URI forms
+and options. Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+from clipkit.errors import DataError
+from clipkit.types import Sample
+
+from .source_base import (
+    DEFAULT_MAX_CAPTION_CHARS,
+    BadRow,
+    FileSource,
+    check_meta,
+    check_utf8,
+    clean_captions,
+    is_scalar,
+    positive_int,
+    preview,
+    read_image,
+    verify_image_bytes,
+)
+
+#: Default ``workers`` for a table whose (first) image cell is a URL: downloads wait on the network.
+URL_TABLE_WORKERS = 16
+
+if TYPE_CHECKING:
+    from clipkit.data.download import Downloader
+
+
+TABLE_DELIMITERS = {".jsonl": None, ".csv": ",", ".tsv": "\t"}
+TABLE_SUFFIXES = (*TABLE_DELIMITERS, ".parquet")
+DEFAULT_IMAGE_COLUMNS = ("image", "file", "path", "url")  # "url": img2dataset's input tables
+DEFAULT_CAPTION_COLUMNS = ("caption", "captions")
+TABLE_QUERY_KEYS = ("image", "caption", "meta")
+
+
+def table_options(options: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """Table settings: ``common`` (an unset ``workers`` becomes None = automatic), the
+    :class:`~clipkit.data.download.Downloader` for URL cells and ``resize`` (None = keep images as
+    they are)."""
+    from clipkit.data.download import Downloader
+
+    resize = options.get("resize")
+    return {
+        **common,
+        "workers": common["workers"] if options.get("workers") is not None else None,
+        "download": Downloader.from_options(options),
+        "resize": positive_int(options, "resize", 1) if resize not in (None, "") else None,
+    }
+
+
+def table_columns(uri: str, query: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Column choices from ``options`` overridden by the URI query: image (str), caption/meta (lists)."""
+    chosen: dict[str, Any] = {key: options[key] for key in TABLE_QUERY_KEYS if options.get(key) is not None}
+    seen: set[str] = set()
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in TABLE_QUERY_KEYS:
+            raise DataError(f"{uri}: unknown query parameter {key!r}; known: {', '.join(TABLE_QUERY_KEYS)}")
+        if key in seen:
+            raise DataError(f"{uri}: query parameter {key!r} given more than once")
+        seen.add(key)
+        chosen[key] = value
+    for key in ("caption", "meta"):
+        if isinstance(chosen.get(key), str):
+            chosen[key] = [column for column in chosen[key].split(",") if column]
+    return {"image_column": chosen.get("image"), "caption_columns": chosen.get("caption"),
+            "meta_columns": chosen.get("meta")}  # fmt: skip
+
+
+def parse_scalar(text: str) -> int | float | str:
+    """A CSV cell as int, else finite float, else the string itself.
+
+    "nan", "inf" (or a name like "Nan") stay text: JSON has no such numbers. Python also reads
+    "1_000" as a number; a cell written with underscores is text (a code, not a quantity).
+    """
+    if "_" in text:
+        return text
+    for kind in (int, float):
+        try:
+            number = kind(text)
+        except ValueError:  # also a number of more than sys.get_int_max_str_digits() digits
+            continue
+        if kind is int or math.isfinite(number):
+            return number
+    return text
+
+
+class TableSource(FileSource):
+    """Rows of a JSONL / CSV / TSV / parquet table, one image (with its captions and meta) per row.
+
+    An image cell starting with ``http://`` or ``https://`` is downloaded by ``download`` (a
+    :class:`clipkit.data.download.Downloader`); a failed download skips the row under the downloader's
+    reason (``http_404``, ``timeout``, ``too_large``, ``download_failed``, ``bad_url``).
+    ``workers=None`` means 16 when the first row's image is a URL, else 1. ``resize=N``
+    downscales every image (local or downloaded) whose shorter side exceeds N to exactly N.
+    """
+
+    name = "table"
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        image_column: str | None = None,
+        caption_columns: list[str] | None = None,
+        meta_columns: list[str] | None = None,
+        strict: bool = False,
+        workers: int | None = None,
+        download: Downloader | None = None,
+        resize: int | None = None,
+        max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
+    ) -> None:
+        from clipkit.data.download import Downloader
+
+        super().__init__(path, strict=strict, workers=workers or 1, max_caption_chars=max_caption_chars)
+        if not self.path.is_file():
+            raise DataError(f"{self.path}: table not found")
+        self.parquet = self.path.suffix.lower() == ".parquet"
+        self.delimiter = TABLE_DELIMITERS.get(self.path.suffix.lower())
+        self.image_column, self.caption_columns = image_column, caption_columns
+        self.meta_columns = meta_columns
+        if self.parquet or self.delimiter is not None:
+            self.check_header()
+        if resize is not None and int(resize) < 1:
+            raise DataError(f"{self.path}: resize must be >= 1, got {resize}")
+        self.download, self.resize = download or Downloader(), resize
+        self.has_urls = self.first_image_is_url()
+        if workers is None and self.has_urls:
+            self.workers = URL_TABLE_WORKERS
+
+    def info(self) -> dict[str, Any]:
+        columns = {"image": self.image_column, "caption": self.caption_columns, "meta": self.meta_columns}
+        info = {**super().info(), "columns": {k: v for k, v in columns.items() if v is not None}}
+        if self.has_urls:
+            info["download"] = self.download.info()
+        if self.resize is not None:
+            info["resize"] = self.resize
+        return info
+
+    def rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+        """(where, row or BadRow) for each data row, in table order."""
+        if self.parquet:
+            return self.parquet_rows()
+        return self.json_rows() if self.delimiter is None else self.delimited_rows()
+
+    def __len__(self) -> int:
+        if self.parquet and self._length is None:
+            from .parquet_reader import parquet_row_count
+
+            self._length = parquet_row_count(self.path)  # every parquet row is a candidate: no data read
+        return super().__len__()
+
+    def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
+        for row_index, (where, parsed) in enumerate(self.rows()):
+            yield where, lambda i=row_index, w=where, p=parsed: self.build(i, w, p)
+
+    def image_cell(self, parsed: dict[str, Any]) -> tuple[str | None, Any]:
+        """(image column, its cell) of a row; the column is the first default one present if unset."""
+        image_column = self.image_column or next((c for c in DEFAULT_IMAGE_COLUMNS if c in parsed), None)
+        return image_column, parsed.get(image_column) if image_column else None
+
+    def first_image_is_url(self) -> bool:
+        """Whether the first well-formed row's image cell is an http(s) URL."""
+        from clipkit.data.download import is_url
+
+        rows = self.rows()
+        try:
+            parsed = next((p for _, p in rows if not isinstance(p, BadRow)), None)
+        finally:
+            rows.close()
+        cell = self.image_cell(parsed)[1] if parsed is not None else None
+        return isinstance(cell, str) and is_url(cell)
+
+    def build(self, row_index: int, where: str, parsed: dict[str, Any] | BadRow) -> Sample:
+        if isinstance(parsed, BadRow):
+            raise parsed
+        image_column, cell = self.image_cell(parsed)
+        reference = self.image_reference(cell, image_column, where)
+        caption_columns = self.caption_columns or [c for c in DEFAULT_CAPTION_COLUMNS if c in parsed]
+        values = [v for column in caption_columns for v in self.caption_values(parsed.get(column))]
+        captions = clean_captions(values, where, self.max_caption_chars)
+        used = {image_column, *caption_columns}
+        if self.meta_columns is not None:
+            meta = {c: parsed[c] for c in self.meta_columns if c in parsed}
+        else:
+            meta = {c: v for c, v in parsed.items() if c not in used and is_scalar(v)}
+        check_meta(meta, where)
+        # Read after the (cheap) caption and meta checks, so a row skipped anyway costs no download.
+        image, image_ext = self.read_row_image(reference, where)
+        return Sample(key=str(row_index), image=image, image_ext=image_ext, captions=captions, meta=meta)
+
+    def image_reference(self, cell: Any, image_column: str | None, where: str) -> str | bytes:
+        """What a row's image cell holds: a path or URL (stripped), or, in a binary parquet column
+        (img2dataset, Hugging Face datasets), the encoded image itself."""
+        if isinstance(cell, bytes):
+            return cell
+        if not isinstance(cell, str) or not cell.strip():
+            raise BadRow("missing_image", f"{where}: no image path in column {image_column or 'image'!r}")
+        check_utf8(cell, where)
+        return cell.strip()
+
+    def read_row_image(self, cell: str | bytes, where: str) -> tuple[bytes, str]:
+        """The image bytes and extension of a row: the cell's own bytes (a binary column), downloaded
+        for an http(s) URL, else read from the path relative to the table (an absolute path wins);
+        resized when ``resize`` is set."""
+        from clipkit.data.download import DownloadError, is_url, redact, resize_image
+
+        if isinstance(cell, bytes):
+            image, image_ext = cell, verify_image_bytes(cell, f"{where}: image bytes")
+        elif is_url(cell):
+            self.has_urls = True
+            try:
+                image = self.download.fetch(cell)
+            except DownloadError as error:
+                raise BadRow(error.reason, f"{where}: {redact(cell)}: {error.detail}") from None
+            image_ext = verify_image_bytes(image, f"{where}: download {redact(cell)}")
+        else:
+            image, image_ext = read_image(self.path.parent / cell)
+        if self.resize is not None:
+            try:
+                image = resize_image(image, self.resize)
+            except Exception as error:  # PIL: OSError, ValueError, DecompressionBombError, ...
+                raise BadRow("bad_image", f"{where}: image cannot be resized ({error})") from None
+        return image, image_ext
+
+    def caption_values(self, value: Any) -> list[Any]:
+        """A cell's captions: a JSON list stays a list; in CSV a cell holding a JSON list is parsed."""
+        if value is None:
+            return []
+        if isinstance(value, list):
+            return value
+        if self.delimiter is not None and isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                return [value]
+            return parsed if isinstance(parsed, list) else [value]
+        return [value]
+
+    def parquet_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+        """(where, row or BadRow) per parquet row, read a batch at a time. With ``meta`` named, only
+        the columns in use are read (embedding or image columns can dwarf the rest of a table)."""
+        from .parquet_reader import parquet_records
+
+        columns = None
+        if self.meta_columns is not None:
+            captions = self.caption_columns or DEFAULT_CAPTION_COLUMNS
+            used = {self.image_column, *DEFAULT_IMAGE_COLUMNS, *captions, *self.meta_columns}
+            columns = [column for column in self.header_columns() if column in used]
+        for row, record in parquet_records(self.path, columns):
+            yield f"{self.path}: row {row}", record
+
+    def json_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+        """(where, row object or BadRow) per non-blank line; decoding each line alone keeps one bad
+        line from spoiling the rest."""
+        with self.path.open("rb") as stream:
+            for line_number, raw in enumerate(stream, 1):
+                if not raw.strip():
+                    continue
+                where = f"{self.path}: line {line_number}"
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    yield where, BadRow("bad_encoding", f"{where}: line is not valid UTF-8")
+                    continue
+                except (ValueError, RecursionError) as error:  # JSONDecodeError; a huge int; deep nesting
+                    yield where, BadRow("bad_line", f"{where}: invalid JSON ({preview(str(error), 200)})")
+                    continue
+                if not isinstance(row, dict):
+                    kind = type(row).__name__
+                    yield where, BadRow("bad_line", f"{where}: expected a JSON object, got {kind}")
+                    continue
+                yield where, row
+
+    def open_text(self):
+        return self.path.open(encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+    def header_columns(self) -> list[str]:
+        """The column names: a CSV/TSV header row, or a parquet file's schema."""
+        if self.parquet:
+            from .parquet_reader import parquet_columns
+
+            return parquet_columns(self.path)
+        with self.open_text() as stream:
+            return next(csv.reader(stream, delimiter=self.delimiter), [])
+
+    def check_header(self) -> None:
+        """Fail early (not per row) when a named column is absent or the default ones are."""
+        header = self.header_columns()
+        missing = [c for c in [self.image_column, *(self.caption_columns or []), *(self.meta_columns or [])]
+                   if c is not None and c not in header]  # fmt: skip
+        if self.image_column is None and not any(c in header for c in DEFAULT_IMAGE_COLUMNS):
+            missing.append(" or ".join(DEFAULT_IMAGE_COLUMNS))
+        if self.caption_columns is None and not any(c in header for c in DEFAULT_CAPTION_COLUMNS):
+            missing.append(" or ".join(DEFAULT_CAPTION_COLUMNS))
+        if missing:
+            raise DataError(f"{self.path}: missing column(s) {', '.join(missing)}; header is {header}")
+
+    def delimited_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
+        with self.open_text() as stream:
+            reader = csv.reader(stream, delimiter=self.delimiter)
+            header = next(reader, [])
+            while True:
+                try:
+                    cells = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as error:
+                    where = f"{self.path}: line {reader.line_num}"
+                    yield where, BadRow("bad_line", f"{where}: {error}")
+                    continue
+                if not any(cell.strip() for cell in cells):
+                    continue
+                where = f"{self.path}: line {reader.line_num}"
+                yield where, self.delimited_row(header, cells, where)
+
+    def delimited_row(self, header: list[str], cells: list[str], where: str) -> dict[str, Any] | BadRow:
+        if len(cells) != len(header):
+            return BadRow("bad_line", f"{where}: {len(cells)} fields, the header has {len(header)}")
+        try:
+            for cell in cells:
+                check_utf8(cell, where)
+        except BadRow as bad:
+            return bad
+        # Captions and image paths stay strings ("42" is a caption, not a number); meta is parsed.
+        text_columns = {*(self.caption_columns or DEFAULT_CAPTION_COLUMNS), *DEFAULT_IMAGE_COLUMNS}
+        text_columns.add(self.image_column)
+        return {
+            column: cell if column in text_columns else parse_scalar(cell)
+            for column, cell in zip(header, cells, strict=True)
+        }
