@@ -1,7 +1,7 @@
 """Framework overhead: seconds per step of clipkit's ``train_loop`` vs a bare PyTorch loop, same model.
 
 For each recipe (default ``clip@tiny`` and ``wpse@tiny``) the script builds clipkit's trainer
-(``clipkit.train.loop.build_trainer``), reads a few real batches from its loader into memory, and
+(``clipkit.train.build.build_trainer``), reads a few real batches from its loader into memory, and
 then times, on those same in-memory batches:
 
 - clipkit: ``train_loop(trainer)``, with ``trainer.stream`` replaced by :class:`InMemoryStream`
@@ -175,7 +175,7 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
     """(trainer, unwrapped model) of ``spec`` on a small temporary shard set; nothing trained yet."""
     from clipkit.api import resolve
     from clipkit.registry import default_registry
-    from clipkit.train.loop import build_trainer, prepare_run_dir
+    from clipkit.train.build import build_trainer, prepare_run_dir
 
     registry = default_registry()
     recipe = resolve(spec, [], registry)

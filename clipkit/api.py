@@ -95,7 +95,8 @@ def train(
 ) -> TrainResult:
     """Train a recipe; then, if ``train.export``, export to RUN/export and run its eval tasks."""
     from clipkit.recipe import section, validate_or_raise
-    from clipkit.train.loop import build_trainer, prepare_run_dir, train_loop
+    from clipkit.train.build import build_trainer, prepare_run_dir
+    from clipkit.train.loop import train_loop
 
     registry = registry or default_registry()
     started = time.perf_counter()

@@ -6,7 +6,6 @@ Experiment knobs are recipe overrides (``key=value``), not flags.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
@@ -15,31 +14,12 @@ from typing import Annotated
 
 import typer
 
+from clipkit.commands import fails_cleanly, registry
 from clipkit.errors import ClipkitError
 
 HELP = """clipkit — contrastive multimodal (CLIP-family) pretraining research toolkit.
 
 Start with: clipkit train quickstart"""
-
-
-def fails_cleanly(command):
-    """Report user-facing errors as one message and exit code 2, without a traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except ClipkitError as error:
-            typer.secho(f"error: {error}", fg="red", err=True)
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
-def registry():
-    from clipkit.registry import default_registry
-
-    return default_registry()
 
 
 def console():

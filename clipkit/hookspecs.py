@@ -109,7 +109,7 @@ def open_source(uri, options):
 def on_metrics(step, metrics, run):
     """Receive a metrics dict (JSON-serialisable floats) at optimiser step ``step``.
 
-    ``run`` is a :class:`clipkit.train.loop.RunInfo` (run directory, recipe name, whether
+    ``run`` is a :class:`clipkit.train.build.RunInfo` (run directory, recipe name, whether
     this process is the main one). Called on every process; loggers usually write only
     when ``run.is_main``.
     """

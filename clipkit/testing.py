@@ -19,7 +19,15 @@ from typing import Any
 import torch
 
 from clipkit.registry import KINDS, Registry
-from clipkit.types import CONTEXT_FIELDS, Logits, LossContext, LossOutput, PointSet
+from clipkit.types import (
+    CONTEXT_FIELDS,
+    Logits,
+    LossContext,
+    LossOutput,
+    PointSet,
+    optional_member,
+    similarity_metrics,
+)
 
 
 def random_points(
@@ -77,7 +85,24 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     for key, value in out.metrics.items():
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
+    check_optional_members(loss, ("supports_local_loss",))
     return out
+
+
+def check_optional_members(plugin, names: tuple[str, ...]) -> None:
+    """The optional members the host reads (:data:`clipkit.types.OPTIONAL_MEMBERS`) have the declared
+    types when a plugin sets them: booleans are bools, a projection name names a module."""
+    for name in names:
+        value = optional_member(plugin, name)
+        if name == "projection_module_name":
+            assert value is None or isinstance(getattr(plugin, value, None), torch.nn.Module), (
+                f"projection_module_name {value!r} names no sub-module of {type(plugin).__name__}"
+            )
+        else:
+            assert isinstance(value, bool), f"{type(plugin).__name__}.{name} must be a bool, got {value!r}"
+    for key, value in similarity_metrics(plugin).items():
+        assert isinstance(key, str), f"metric names must be strings, got {key!r}"
+        float(value)  # every metric must convert to a float for loggers
 
 
 def check_similarity(similarity, dim: int = 8, points: int = 3, weighted: bool = False) -> Logits:
@@ -99,6 +124,7 @@ def check_similarity(similarity, dim: int = 8, points: int = 3, weighted: bool =
     assert isinstance(ensembled, PointSet) and ensembled.batch_size == 3, (
         "ensemble must return one set per group"
     )
+    check_optional_members(similarity, ("pairwise", "uses_random_features"))
     return logits
 
 
@@ -130,6 +156,7 @@ def check_encoder(encoder, inputs: torch.Tensor, *, normalized: bool = True) -> 
         assert (out.weights > 0).all(), "point weights must be positive"
     out.points.sum().backward()
     assert any(p.grad is not None for p in encoder.parameters()), "no parameter received a gradient"
+    check_optional_members(encoder, ("projection_module_name",))
     return out
 
 

@@ -232,12 +232,24 @@ class LossContext:
         return f"LossContext({', '.join(sorted(self._fields))})"
 
 
+# The whole contract between the host and its plugins is below: the methods every plugin of a kind
+# has, and the optional members the host reads. Optional members have the defaults in
+# ``OPTIONAL_MEMBERS``; the host reads them only through :func:`optional_member`, never with
+# ``getattr`` of its own, so this file is the one list of what a plugin can declare.
+
+
 @runtime_checkable
 class Encoder(Protocol):
     """An ``nn.Module``: ``forward(inputs) -> PointSet``.
 
     Image encoders take ``[B, 3, H, W]`` float images; text encoders take ``[B, L]`` token ids
     (0 = padding) and build their mask from them.
+
+    Optional members:
+        projection_module_name: str | None = None — the attribute naming the tower's final
+            projection module; the linear probe's ``features: pre_projection`` reads its input.
+        grad_checkpointing: bool — any sub-module with this switch is turned on by
+            ``train.grad_checkpointing``.
     """
 
     def __call__(self, inputs: Tensor) -> PointSet: ...
@@ -245,7 +257,16 @@ class Encoder(Protocol):
 
 @runtime_checkable
 class Similarity(Protocol):
-    """An ``nn.Module`` owning its learnable parameters (temperature, bandwidth, ...)."""
+    """An ``nn.Module`` owning its learnable parameters (temperature, bandwidth, ...).
+
+    Optional members:
+        pairwise: bool = True — logits of a pair depend on that pair alone, so a process may score
+            its own anchors against the gathered candidates (``train.distributed.local_loss``);
+            False for batch-dependent similarities (CLOOB's Hopfield retrieval).
+        uses_random_features: bool = False — the logits depend on the generator (WPSE); evaluation
+            then reports mean ± std over feature seeds.
+        metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
+    """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
 
@@ -260,11 +281,40 @@ class Similarity(Protocol):
 
 @runtime_checkable
 class Loss(Protocol):
-    """``requires`` is a subset of :data:`CONTEXT_FIELDS`; the loop supplies only these."""
+    """``requires`` is a subset of :data:`CONTEXT_FIELDS`; the loop supplies only these.
+
+    Optional members:
+        supports_local_loss: bool = False — the loss is a mean over anchors, so the mean of the
+            processes' local losses is the full-batch loss (``train.distributed.local_loss``).
+        A loss that requires ``index`` keeps per-sample state: the loop never accumulates
+        gradients for it and stops (never skips) on a non-finite step.
+    """
 
     requires: frozenset[str]
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput: ...
+
+
+#: Optional plugin members the host reads, with the value a plugin that does not declare one has.
+OPTIONAL_MEMBERS: dict[str, Any] = {
+    "requires": frozenset(),  # Loss
+    "supports_local_loss": False,  # Loss
+    "pairwise": True,  # Similarity
+    "uses_random_features": False,  # Similarity
+    "projection_module_name": None,  # Encoder
+}
+
+
+def optional_member(plugin: Any, name: str) -> Any:
+    """``plugin``'s declared value of the optional member ``name``, else its default above."""
+    value = getattr(plugin, name, OPTIONAL_MEMBERS[name])
+    return frozenset(value) if name == "requires" else value
+
+
+def similarity_metrics(similarity: Any) -> dict[str, float]:
+    """The similarity's optional ``metrics()`` (empty when it declares none)."""
+    metrics = getattr(similarity, "metrics", None)
+    return dict(metrics()) if callable(metrics) else {}
 
 
 @runtime_checkable

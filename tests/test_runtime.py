@@ -19,10 +19,13 @@ import torch
 from clipkit.errors import ClipkitError, RecipeError
 from clipkit.recipe import load_recipe, validate_or_raise
 from clipkit.registry import default_registry
+from clipkit.train.accumulate import accumulate_exactly
+from clipkit.train.build import build_trainer
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
-from clipkit.train.deepspeed_config import deepspeed_config
-from clipkit.train.loop import accumulate_exactly, build_trainer, contrastive_loss, forward_loss, train_loop
+from clipkit.train.loop import train_loop
+from clipkit.train.objective import contrastive_loss, forward_loss
 from clipkit.train.runtime import split_batch
+from clipkit.train.runtime.deepspeed_config import deepspeed_config
 
 SMOKE = "quickstart@smoke"
 

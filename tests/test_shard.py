@@ -201,7 +201,7 @@ def test_manifest_is_json(shards):
 
 
 def test_existing_shards_of_another_source_are_refused(shards):
-    from clipkit.data.shard import ensure_shards
+    from clipkit.data.shard_writer import ensure_shards
 
     directory, _ = shards
     assert ensure_shards(str(directory), "synthetic://shapes?n=40&seed=3") == directory

@@ -173,18 +173,11 @@ def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
     return meta
 
 
-def distributed_rank_and_size() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class BatchStream:
     """Endless batches over epochs; ``position`` is saved in checkpoints for exact resume.
 
-    ``rank``/``world_size`` default to torch.distributed's (0 and 1 without it); ``resampled``
+    ``rank``/``world_size`` are this process's place in the launch (the trainer passes the
+    runtime's; the loader never asks torch.distributed itself); ``resampled``
     draws each epoch's shards with replacement (the WebDataset "resampled" mode, but seeded).
     """
 
@@ -201,8 +194,8 @@ class BatchStream:
         views=1,
         meta_keys=None,
         resampled=False,
-        rank=None,
-        world_size=None,
+        rank=0,
+        world_size=1,
     ):
         manifest = read_manifest(shards)
         self.shards = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
@@ -211,9 +204,7 @@ class BatchStream:
         self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
         self.views, self.resampled = views, resampled
         self.meta_keys = dict(meta_keys or {})
-        default_rank, default_size = distributed_rank_and_size()
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_size if world_size is None else world_size
+        self.rank, self.world_size = rank, world_size
         self.epoch, self.batch_in_epoch = 0, 0
         per_rank = self.num_samples // self.world_size
         if per_rank < batch_size:

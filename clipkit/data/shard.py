@@ -116,27 +116,6 @@ def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
     )
 
 
-def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
-    """Return the shard directory, creating it from ``source`` first when it has no manifest."""
-    directory = Path(shards)
-    if (directory / MANIFEST).is_file():
-        made_from = read_manifest(directory).get("source")
-        if source and made_from != source:
-            # Reusing shards of another source would silently train on the wrong data.
-            raise DataError(
-                f"{directory} holds shards of {made_from!r}, not data.source {source!r}: "
-                "point data.shards at a new directory (or remove the old one)"
-            )
-        return directory
-    if not source:
-        raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
-    from clipkit.data.shard_writer import write_shards
-
-    opened = open_source(source, pm=pm)
-    write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
-    return directory
-
-
 def verify_shards(directory: Path | str) -> dict[str, Any]:
     """Check a shard set against its manifest; returns ``{"n", "shards", "problems"}``.
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
 from clipkit.io import atomic_write_text, replace_directory
-from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, sha256
+from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.types import Sample
 
 JOURNAL = "journal.json"
@@ -298,3 +298,22 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
+
+
+def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
+    """Return the shard directory, creating it from ``source`` first when it has no manifest."""
+    directory = Path(shards)
+    if (directory / MANIFEST).is_file():
+        made_from = read_manifest(directory).get("source")
+        if source and made_from != source:
+            # Reusing shards of another source would silently train on the wrong data.
+            raise DataError(
+                f"{directory} holds shards of {made_from!r}, not data.source {source!r}: "
+                "point data.shards at a new directory (or remove the old one)"
+            )
+        return directory
+    if not source:
+        raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
+    opened = open_source(source, pm=pm)
+    write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+    return directory

@@ -20,7 +20,7 @@ from clipkit.data.transforms import decode_transformed
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import ContrastiveModel, build_slot
 from clipkit.registry import Registry
-from clipkit.types import PointSet, Sample
+from clipkit.types import PointSet, Sample, optional_member
 
 
 def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Generator:
@@ -32,7 +32,7 @@ def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Ge
 
 def uses_random_features(model: ContrastiveModel) -> bool:
     """Whether the model's similarity draws random features (WPSE): its scores depend on the seed."""
-    return bool(getattr(model.similarity, "uses_random_features", False))
+    return bool(optional_member(model.similarity, "uses_random_features"))
 
 
 def feature_seeds(model: ContrastiveModel, repeats: int | None) -> list[int]:

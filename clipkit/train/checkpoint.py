@@ -153,12 +153,63 @@ def consolidate_deepspeed(directory: Path) -> dict[str, torch.Tensor]:
         raise ClipkitError(
             f"{directory.parent}: the checkpoint holds neither a model nor DeepSpeed partitions"
         )
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError as error:
+    from clipkit.train.runtime.zero import consolidate_zero_checkpoint
+
+    return consolidate_zero_checkpoint(directory)
+
+
+def save_trainer(trainer, step: int) -> Path:
+    """Checkpoint a :class:`~clipkit.train.build.Trainer` at ``step``. Every process calls this
+    (DeepSpeed partitions and RNG states are per process)."""
+    from clipkit.train.runtime import rng_state
+
+    rt = trainer.runtime
+
+    def write_shards(directory: Path) -> None:
+        rt.save_sharded(trainer.model, directory / DEEPSPEED)
+        save_rng(directory, rt.rank, rng_state())
+
+    def state() -> dict:
+        return {
+            **rt.strategy.checkpoint_state(trainer.model, trainer.optimizer),
+            "schedule": trainer.schedule.state_dict(),
+            "loss": trainer.loss.state_dict() if isinstance(trainer.loss, torch.nn.Module) else None,
+            "scaler": rt.scaler_state(),
+            "data": trainer.stream.position(),
+            "skipped_steps": trainer.skipped_steps,
+            "world_size": rt.world_size,
+            "recipe": trainer.recipe,
+        }
+
+    return save_checkpoint(
+        trainer.run.directory,
+        step,
+        is_main=rt.is_main,
+        barrier=rt.wait,
+        write_shards=write_shards,
+        state=state,
+        keep=trainer.settings.keep_checkpoints,
+    )
+
+
+def restore_trainer(trainer, path: Path, state: dict) -> None:
+    """Load a checkpoint into every stateful piece of a freshly built trainer (the strategy loaded
+    the model and optimiser before wrapping them, or loads its partitions here)."""
+    from clipkit.train.runtime import set_rng_state
+
+    rt = trainer.runtime
+    saved_world = int(state.get("world_size", 1))
+    if saved_world != rt.world_size:
         raise ClipkitError(
-            f"{directory.parent} is a DeepSpeed checkpoint; "
-            "install deepspeed (pip install 'clipkit[deepspeed]')"
-        ) from error
-    state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
-    return {key: value.float().contiguous() for key, value in state.items()}
+            f"{path}: the run used {saved_world} process(es), this launch has {rt.world_size}; resume with "
+            f"{saved_world} (the data order and RNG streams depend on it)"
+        )
+    rt.load_sharded(trainer.model, Path(path) / DEEPSPEED)
+    trainer.schedule.load_state_dict(state["schedule"])
+    if state.get("loss") is not None:
+        trainer.loss.load_state_dict(state["loss"])
+    rt.load_scaler_state(state.get("scaler"))
+    trainer.stream.restore(state["data"])
+    trainer.skipped_steps = int(state.get("skipped_steps", 0))
+    set_rng_state(load_rng(path, rt.rank))
+    trainer.start_step = int(state["step"])

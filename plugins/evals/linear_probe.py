@@ -24,7 +24,7 @@ from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import load_samples, topk_accuracy
-from clipkit.types import Sample
+from clipkit.types import Sample, optional_member
 
 PROTOCOLS = ("lbfgs", "sgd")
 
@@ -245,7 +245,7 @@ def projection_module_name(encoder) -> str:
     """The dotted name of ``encoder``'s final projection submodule (its input is the
     "pre_projection" feature), from the encoder's ``projection_module_name`` attribute (built-ins:
     ViT and ResNet ``proj``; CLIP's modified ResNet ``attnpool.c_proj``; DenseNet3d ``head``)."""
-    name = getattr(encoder, "projection_module_name", None)
+    name = optional_member(encoder, "projection_module_name")
     if name:
         return str(name)
     raise ClipkitError(

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from clipkit.cli import fails_cleanly
+from clipkit.commands import fails_cleanly
 from clipkit.errors import ClipkitError
 from clipkit.hookspecs import hookimpl
 
@@ -68,7 +68,7 @@ def pmi_fidelity_command(
     seed: Annotated[int, typer.Option(help="Seed of the distribution, the models and the batches")] = 0,
 ):
     """Rank similarities by how well they learn the true PMI of a synthetic pair distribution."""
-    from clipkit.cli import registry
+    from clipkit.commands import registry
     from clipkit.plugins.experiments.pmi import run_pmi_benchmark
 
     try:

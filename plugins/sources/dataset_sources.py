@@ -67,6 +67,7 @@ from .file_sources import (
     is_scalar,
     verify_image_bytes,
 )
+from .idx_source import IDX_IMAGES_NAME
 from .parquet_reader import parquet_columns, parquet_records
 
 IMG2DATASET, WEBDATASET, IDX = "img2dataset:", "webdataset:", "idx:"
@@ -78,7 +79,6 @@ CAPTION_FIELDS = ("txt", "caption")
 CAPTION_KEYS = frozenset({"caption", "captions"})
 TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 STATS_SUFFIX = "_stats.json"
-IDX_IMAGES_NAME = re.compile(r"images([.-])idx3-ubyte")
 
 
 def open_dataset_source(uri: str, options: dict[str, Any] | None = None):

@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,11 +20,13 @@ from urllib.parse import parse_qsl
 from clipkit.errors import DataError
 from clipkit.types import Sample
 
-from .dataset_sources import IDX_IMAGES_NAME, common_options
 from .file_sources import (
     CLASS_TEMPLATE,
     FileSource,
 )
+from .source_base import common_options
+
+IDX_IMAGES_NAME = re.compile(r"images([.-])idx3-ubyte")
 
 
 def idx_source(spec: str, options: dict[str, Any]) -> IdxSource:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from clipkit.model import build_model, build_slot
 from clipkit.recipe import DistributedConfig, load_recipe
 from clipkit.registry import default_registry
-from clipkit.train.loop import accumulate_exactly, contrastive_loss, forward_loss
+from clipkit.train.accumulate import accumulate_exactly
+from clipkit.train.objective import contrastive_loss, forward_loss
 from clipkit.train.runtime import Runtime, seed_everything
 
 BATCH = 8

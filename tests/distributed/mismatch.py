@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from clipkit.train import collectives
+from clipkit.train.runtime import collectives
 
 
 def main(out: Path) -> None:

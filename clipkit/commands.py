@@ -1,0 +1,33 @@
+"""What a ``register_commands`` plugin needs from the host: one error path and the registry.
+
+The CLI's own commands use the same two helpers, so a plugin's command behaves like a built-in
+one (a :class:`~clipkit.errors.ClipkitError` is one red line and exit code 2, no traceback).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+
+from clipkit.errors import ClipkitError
+
+
+def fails_cleanly(command):
+    """Report user-facing errors as one message and exit code 2, without a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ClipkitError as error:
+            typer.secho(f"error: {error}", fg="red", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def registry():
+    from clipkit.registry import default_registry
+
+    return default_registry()

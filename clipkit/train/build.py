@@ -1,0 +1,237 @@
+"""Build everything the training loop touches from a validated recipe (:func:`build_trainer`).
+
+The recipe's sections are read once here (``Trainer.settings`` is the ``train`` section), the
+batch is split once by the runtime (``runtime.plan``), and the loss's and similarity's optional
+members are read once (``Trainer.loss_requires``, ``Trainer.similarity``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clipkit.data.loader import BatchStream
+from clipkit.data.shard import read_manifest
+from clipkit.data.shard_writer import ensure_shards
+from clipkit.data.transforms import ResizedUInt8
+from clipkit.errors import ClipkitError
+from clipkit.model import batched_input_size, build_model, build_slot, build_transform
+from clipkit.recipe import distributed_config, save_recipe, section
+from clipkit.registry import Registry
+from clipkit.train.checkpoint import latest_checkpoint, load_state, restore_trainer
+from clipkit.train.runtime import Runtime
+from clipkit.types import optional_member
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What ``on_metrics`` loggers get to know about the run."""
+
+    directory: Path
+    recipe: str
+    is_main: bool
+
+
+@dataclass
+class Trainer:
+    """Everything the loop touches, built from a validated recipe."""
+
+    recipe: dict
+    settings: Any  # the recipe's ``train`` section, typed, with defaults (clipkit.recipe.TrainSection)
+    registry: Registry
+    runtime: Runtime
+    model: Any  # as prepared by the runtime (DDP module or DeepSpeed engine)
+    similarity: Any  # the plain similarity module inside ``model``
+    loss: Any
+    loss_requires: frozenset[str]
+    optimizer: Any
+    schedule: Any
+    stream: BatchStream
+    run: RunInfo
+    start_step: int = 0
+    skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
+    augment: Any = None  # BatchedDeviceAugment under data.augment: batched
+
+
+def default_shard_dir(source: str) -> Path:
+    """Where shards made from ``source`` go when the recipe names no directory: ./data/<slug>."""
+    slug = hashlib.sha1(source.encode()).hexdigest()[:12]
+    return Path(os.environ.get("CLIPKIT_DATA_DIR", "data")) / f"shards-{slug}"
+
+
+def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bool = False) -> Trainer:
+    data, settings = section(recipe, "data"), section(recipe, "train")
+    seed = int(recipe.get("seed", 0))
+    runtime = Runtime(
+        precision=settings.precision,
+        seed=seed,
+        distributed=distributed_config(recipe),
+        global_batch_size=data.batch_size,
+        micro_batch_size=settings.micro_batch_size,
+        grad_clip=settings.grad_clip,
+    )
+    shards = ensure_shards_once(runtime, data, registry)
+    num_samples = int(read_manifest(shards)["n"])
+
+    model = build_model(recipe, registry)
+    if settings.grad_checkpointing:
+        enable_grad_checkpointing(model)
+    loss = build_slot(
+        registry, "loss", recipe["loss"], "loss", num_samples=num_samples, total_steps=settings.steps
+    )
+    check_loss_fits_runtime(loss, model.similarity, runtime)
+    optimizer = build_slot(
+        registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
+    )
+    schedule = build_slot(
+        registry, "schedule", recipe["schedule"], "schedule", optimizer=optimizer, total_steps=settings.steps
+    )
+    two_view, batched = model.pair == "two_view", data.augment == "batched"
+    transform = ResizedUInt8(batched_input_size(recipe)) if batched else build_transform(recipe, train=True)
+    stream = BatchStream(
+        shards,
+        batch_size=runtime.plan.local_size,
+        transform=transform,
+        tokenizer=model.tokenizer,
+        seed=seed,
+        num_workers=data.num_workers,
+        shuffle_buffer=data.shuffle_buffer,
+        resampled=data.resampled,
+        views=2 if two_view and not batched else 1,  # batched: both views are made on the device
+        meta_keys=dict(data.meta_keys),
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+    )
+    if settings.compile != "none":
+        model = compile_model(model, settings.compile)
+    checkpoint_path = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint_path is None:
+        raise ClipkitError(f"{run_dir}: nothing to resume (no complete checkpoints/step-*)")
+    state = load_state(checkpoint_path) if checkpoint_path else None
+    if state is not None:
+        runtime.strategy.load_before_prepare(model, optimizer, state)
+    if isinstance(loss, torch.nn.Module):
+        loss.to(runtime.device)
+    prepared_model, prepared_optimizer = runtime.prepare(model, optimizer)
+    trainer = Trainer(
+        recipe=recipe,
+        settings=settings,
+        registry=registry,
+        runtime=runtime,
+        model=prepared_model,
+        similarity=runtime.unwrap(prepared_model).similarity,
+        loss=loss,
+        loss_requires=optional_member(loss, "requires"),
+        optimizer=prepared_optimizer,
+        schedule=schedule,
+        stream=stream,
+        run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
+    )
+    if batched:
+        trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)
+    if state is not None:
+        restore_trainer(trainer, checkpoint_path, state)
+    return trainer
+
+
+def compile_model(model, mode: str):
+    """``train.compile``: the towers through ``torch.compile`` (refused where it cannot run)."""
+    from clipkit.train.compile import compile_towers, compile_unavailable
+
+    reason = compile_unavailable()
+    if reason:
+        raise ClipkitError(f"train.compile={mode}: {reason}; use train.compile=none")
+    return compile_towers(model, mode)
+
+
+def ensure_shards_once(runtime: Runtime, data, registry: Registry) -> str:
+    """Shard the recipe's source on the main process only; the others wait and read the result."""
+    target = data.shards or str(default_shard_dir(data.source))
+    if runtime.is_main:
+        target = ensure_shards(target, data.source, pm=registry.pm)
+    runtime.wait()
+    if not runtime.is_main:
+        target = ensure_shards(target, data.source, pm=registry.pm)
+    return target
+
+
+def enable_grad_checkpointing(model) -> None:
+    """``train.grad_checkpointing``: turn on every encoder module's ``grad_checkpointing`` switch."""
+    switched = []
+    for name in ("image_encoder", "text_encoder"):
+        tower = getattr(model, name)
+        if tower is None:
+            continue
+        modules = [m for m in tower.modules() if hasattr(m, "grad_checkpointing")]
+        for module in modules:
+            module.grad_checkpointing = True
+        switched.append(bool(modules))
+    if not any(switched):
+        raise ClipkitError(
+            "train.grad_checkpointing: neither encoder has a `grad_checkpointing` switch "
+            "(encoder plugins expose one to support this)"
+        )
+
+
+def check_loss_fits_runtime(loss, similarity, runtime: Runtime) -> None:
+    """Refuse combinations that would silently train something else than the recipe says."""
+    name = type(loss).__name__
+    accumulating = runtime.plan.micro_batches > 1
+    if accumulating and "index" in optional_member(loss, "requires"):
+        raise ClipkitError(
+            f"train.micro_batch_size: exact gradient accumulation re-runs the encoders after the loss, but "
+            f"{name} updates per-sample state from each batch "
+            f"(METHODS §11: SogCLR/NUCLR forbid accumulation); "
+            f"use micro_batch_size 0 and a batch that fits, or more processes"
+        )
+    refusal = runtime.strategy.exact_accumulation_refusal
+    if accumulating and refusal:
+        raise ClipkitError(f"train.micro_batch_size: {refusal}")
+    if runtime.local_loss:
+        if not optional_member(loss, "supports_local_loss"):
+            raise ClipkitError(
+                f"train.distributed.local_loss: {name} does not declare supports_local_loss (it needs the "
+                f"whole batch, e.g. per-sample state or in-modal terms); set local_loss: false"
+            )
+        if not optional_member(similarity, "pairwise"):
+            raise ClipkitError(
+                f"train.distributed.local_loss: the similarity {type(similarity).__name__} is not pairwise "
+                f"(its logits depend on the whole batch); set local_loss: false"
+            )
+
+
+class BatchedDeviceAugment:
+    """``data.augment: batched``: the loader's uint8 images [B, 3, S0, S0] become normalised
+    random-resized crops [B, 3, S, S] in one tensor op on the training device (and, for two-view
+    recipes, a second independent view ``image2``). Crop boxes come from a CPU generator seeded by
+    (seed, step, rank), so a resumed run draws the same boxes and ranks draw different ones."""
+
+    def __init__(self, transform, runtime: Runtime, two_view: bool) -> None:
+        from clipkit.data.batched_augment import BatchedAugment
+
+        self.augment = BatchedAugment.from_image_transform(transform).to(runtime.device)
+        self.runtime, self.two_view = runtime, two_view
+
+    def __call__(self, batch: dict, step: int) -> dict:
+        generator = self.runtime.rank_generator(step)
+        raw = batch["image"]
+        batch = {**batch, "image": self.augment(raw, generator)}
+        if self.two_view:
+            batch["image2"] = self.augment(raw, generator)
+        return batch
+
+
+def prepare_run_dir(recipe: dict, run_dir: Path, *, resume: bool) -> None:
+    """Create the run directory and save the resolved recipe (refuses to overwrite a run)."""
+    run_dir = Path(run_dir)
+    if not resume and latest_checkpoint(run_dir) is not None:
+        raise ClipkitError(
+            f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, run_dir / "recipe.yaml")

@@ -1,0 +1,119 @@
+"""The contrastive objective of one step: towers inside the model's forward, the gather into the
+global batch, the similarity and the loss — and what the loop does when the loss is not finite.
+
+Split from :mod:`clipkit.train.loop` so that exact accumulation (:mod:`clipkit.train.accumulate`)
+reuses the same pass without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from clipkit.errors import ClipkitError
+from clipkit.types import Logits, LossContext, LossOutput, PointSet
+
+if TYPE_CHECKING:
+    from clipkit.train.build import Trainer
+
+
+def forward_loss(trainer: Trainer, batch: dict | None, compute) -> tuple[torch.Tensor, LossOutput]:
+    """Run ``compute(a, b) -> LossOutput`` inside the model's forward, after the towers encode
+    ``batch`` under the runtime's autocast (``batch`` None: a = b = None); ``compute`` runs in fp32.
+
+    This is the one place the step calls back into the model: DDP hooks the forward's output, and
+    DeepSpeed ZeRO-3 gathers each module's parameters around its forward and backward, so the
+    similarity (which may own parameters) must run inside ``model.forward``.
+
+    Returns (the loss tensor to back-propagate — the one the forward returned — and the LossOutput).
+    """
+    rt, captured = trainer.runtime, {}
+
+    def then(a, b):
+        with rt.full_precision():
+            captured["out"] = compute(a, b)
+        return captured["out"].loss
+
+    with rt.autocast():  # only the towers run in reduced precision
+        loss = trainer.model(batch, then=then)
+    return loss, captured["out"]
+
+
+def contrastive_loss(
+    trainer: Trainer, local_a: PointSet, local_b: PointSet, batch: dict, step: int
+) -> LossOutput:
+    """This process's point sets -> the recipe's loss on the contrastive batch.
+
+    Global loss (default): every process scores the whole gathered batch. Local loss
+    (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
+    gradient averaging turns the mean of the local losses into the full-batch loss.
+    """
+    rt, loss_fn, similarity = trainer.runtime, trainer.loss, trainer.similarity
+    a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
+    epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
+    if rt.local_loss:
+        n = local_a.batch_size
+        image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
+        text_rows = similarity(a, local_b.float(), generator=rt.generator(step)).t2i  # [n, N]
+        ctx = loss_context(trainer, {}, a, b, step, epoch)
+        return loss_fn(Logits(i2t=image_rows, t2i=text_rows), rt.targets(n, offset=rt.rank * n), ctx)
+    logits = similarity(a, b, generator=rt.generator(step))
+    ctx = loss_context(trainer, global_fields(trainer, batch), a, b, step, epoch)
+    return loss_fn(logits, rt.targets(a.batch_size), ctx)
+
+
+def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float) -> LossContext:
+    """Only the fields the loss declared (in-modal similarities cost two more N×N products).
+
+    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes).
+    """
+    requires, similarity = trainer.loss_requires, trainer.similarity
+    fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
+    if "in_modal" in requires:
+        fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
+    if "features" in requires:
+        fields["features"] = (a, b)
+    if "step" in requires:
+        fields["step"] = step
+    if "epoch" in requires:
+        fields["epoch"] = epoch
+    return LossContext(**fields)
+
+
+def global_fields(trainer: Trainer, batch: dict) -> dict:
+    """The global batch's sample indices and meta-data, gathered only when the loss declared them."""
+    rt, requires, fields = trainer.runtime, trainer.loss_requires, {}
+    if "index" in requires:
+        fields["index"] = rt.gather_rows(batch["index"])
+    if "meta" in requires:
+        fields["meta"] = {key: rt.gather_list(list(values)) for key, values in batch["meta"].items()}
+    return fields
+
+
+def loss_is_finite(trainer: Trainer, out: LossOutput, step: int) -> bool:
+    """All processes agree whether the loss is finite; a non-finite one stops the run or
+    (``train.nonfinite: skip``) skips the step."""
+    if trainer.runtime.all_true(bool(torch.isfinite(out.loss.detach()))):
+        return True
+    trainer.runtime.zero_grad(trainer.model, trainer.optimizer)
+    trainer.skipped_steps += 1
+    handle_nonfinite(trainer, step, f"the loss is {float(out.loss.detach())}")
+    return False
+
+
+def handle_nonfinite(trainer: Trainer, step: int, what: str) -> None:
+    """Raise unless the recipe says skip — and always for per-sample-state losses, whose state the
+    non-finite batch has already corrupted."""
+    skip = trainer.settings.nonfinite == "skip"
+    stateful = "index" in trainer.loss_requires
+    if skip and not stateful:
+        return
+    reason = (
+        f"{type(trainer.loss).__name__} updated its per-sample state from this batch"
+        if stateful and skip
+        else "train.nonfinite=skip skips such steps instead"
+    )
+    raise ClipkitError(
+        f"step {step + 1}: {what}; stopping ({reason}; lower the learning rate or use fp32/bf16)"
+    )

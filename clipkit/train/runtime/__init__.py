@@ -1,0 +1,352 @@
+"""The ONLY package that touches Accelerate, DeepSpeed, torch.distributed, autocast and loss scaling.
+
+Plugins (encoders, similarities, losses) never see ranks, devices or dtypes, and the training loop
+never asks which strategy runs: :class:`Runtime` starts the processes (Accelerate), splits the
+contrastive batch once (:class:`BatchPlan`), gathers features into the global batch in fp32 with
+the recipe's gather semantics (METHODS §11), and delegates everything that differs between plain/DDP
+and DeepSpeed ZeRO runs to one :class:`~clipkit.train.runtime.strategy.Strategy`:
+
+- :class:`~clipkit.train.runtime.ddp.DDPStrategy` (one process or DDP): ``torch.autocast`` for the
+  towers, a ``GradScaler`` under fp16;
+- :class:`~clipkit.train.runtime.zero.DeepSpeedStrategy` (ZeRO 1–3): DeepSpeed's own half precision
+  and loss scaling, per-process checkpoint partitions.
+
+Either way gathered features are upcast, so similarities and losses compute in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from clipkit.errors import ClipkitError
+from clipkit.recipe import DistributedConfig
+from clipkit.train.runtime import collectives
+from clipkit.train.runtime.strategy import HALF, StepResult, Strategy
+from clipkit.types import PointSet
+
+__all__ = ["HALF", "BatchPlan", "Runtime", "StepResult", "launched_as_main", "rng_state", "set_rng_state"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The contrastive batch, split once for the whole run.
+
+    global_size: the recipe's ``data.batch_size`` — the N the loss sees, over all processes.
+    local_size:  samples each process loads and encodes per step (global_size / world_size).
+    micro_size:  samples per forward on one process (``train.micro_batch_size``; local_size if unset).
+    """
+
+    global_size: int
+    world_size: int
+    local_size: int
+    micro_size: int
+
+    @property
+    def micro_batches(self) -> int:
+        """Forwards per optimiser step on one process."""
+        return self.local_size // self.micro_size if self.micro_size else 1
+
+    @classmethod
+    def split(cls, global_size: int | None, micro_size: int, world_size: int) -> BatchPlan:
+        if global_size is None:
+            return cls(0, world_size, 0, 0)
+        if global_size % world_size:
+            raise ClipkitError(
+                f"data.batch_size {global_size} (the contrastive batch, over all processes) does not "
+                f"divide among {world_size} processes; pick a multiple of {world_size}"
+            )
+        local = global_size // world_size
+        micro = micro_size or local
+        if local % micro:
+            raise ClipkitError(
+                f"train.micro_batch_size {micro} does not divide the {local} samples each of the "
+                f"{world_size} process(es) encodes per step (data.batch_size {global_size})"
+            )
+        return cls(global_size, world_size, local, micro)
+
+
+class Runtime:
+    """Processes, device, batch plan and gathers; the strategy does the rest.
+
+    precision:         "no" (fp32), "bf16" or "fp16" — the towers only.
+    distributed:       the recipe's ``train.distributed`` (strategy, ZeRO stage, gather semantics).
+    global_batch_size: the recipe's ``data.batch_size`` (the contrastive batch, over all processes).
+    micro_batch_size:  samples per forward on one process (0: its whole share at once).
+    """
+
+    def __init__(
+        self,
+        precision: str = "no",
+        seed: int = 0,
+        distributed: DistributedConfig | None = None,
+        *,
+        global_batch_size: int | None = None,
+        micro_batch_size: int = 0,
+        grad_clip: float = 0.0,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        self.config = distributed or DistributedConfig()
+        self.precision, self.seed = precision, seed
+        check_launcher_agrees(self.config)
+        launched_world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.plan = BatchPlan.split(global_batch_size, micro_batch_size, launched_world)
+        cpu = not torch.cuda.is_available()
+        handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu and launched_world > 1 else []
+        # Accelerate starts the processes' group and picks the device; it never wraps the loader.
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no", kwargs_handlers=handlers)
+        if self.world_size != launched_world:
+            raise ClipkitError(
+                f"WORLD_SIZE says {launched_world} processes but Accelerate started {self.world_size}"
+            )
+        self.strategy: Strategy = self._strategy(grad_clip)
+        seed_everything(seed)
+
+    def _strategy(self, grad_clip: float) -> Strategy:
+        if self.config.strategy != "deepspeed":
+            from clipkit.train.runtime.ddp import DDPStrategy
+
+            return DDPStrategy(self.accelerator, precision=self.precision, grad_clip=grad_clip)
+        from clipkit.train.runtime.deepspeed_config import deepspeed_config
+        from clipkit.train.runtime.zero import DeepSpeedStrategy
+
+        config = deepspeed_config(
+            zero_stage=self.config.zero_stage,
+            precision=self.precision,
+            micro_batch_size=self.plan.micro_size,
+            micro_batches=self.plan.micro_batches,
+            world_size=self.world_size,
+            grad_clip=grad_clip,
+            offload_optimizer=self.config.offload_optimizer,
+            offload_params=self.config.offload_params,
+        )
+        return DeepSpeedStrategy(precision=self.precision, zero_stage=self.config.zero_stage, config=config)
+
+    # ------------------------------------------------------------------ who and where
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.strategy.name == "deepspeed"
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.plan.local_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.plan.micro_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.micro_batches
+
+    @property
+    def local_loss(self) -> bool:
+        """Each process scores its own anchors against all candidates (only with several processes)."""
+        return self.config.local_loss and self.world_size > 1
+
+    @property
+    def scaler(self):
+        """The fp16 ``GradScaler`` (None otherwise, and under DeepSpeed, which scales itself)."""
+        return self.strategy.scaler
+
+    @scaler.setter
+    def scaler(self, value) -> None:
+        self.strategy.scaler = value
+
+    # ------------------------------------------------------------------ delegated to the strategy
+
+    def prepare(self, model, optimizer):
+        """Wrap model and optimiser (DDP, or a DeepSpeed engine); never the data loader."""
+        return self.strategy.prepare(model, optimizer)
+
+    def unwrap(self, model):
+        """The plain ContrastiveModel inside DDP / a DeepSpeed engine."""
+        return self.strategy.unwrap(model)
+
+    def autocast(self):
+        """Reduced precision for the towers."""
+        return self.strategy.autocast()
+
+    def full_precision(self):
+        """Leave the towers' autocast: similarities and losses always compute in fp32."""
+        return self.strategy.full_precision()
+
+    def no_sync(self, model, last: bool):
+        """Skip the gradient all-reduce on every micro-batch but the last."""
+        return self.strategy.no_sync(model, last)
+
+    def backward(self, loss: torch.Tensor, model, *, last: bool = True) -> None:
+        """Accumulate gradients of ``loss`` (micro-batch surrogates already carry the full-batch scale)."""
+        self.strategy.backward(loss, model, last=last, micro_batches=self.plan.micro_batches)
+
+    def step(self, model, optimizer) -> StepResult:
+        """Clip (``grad_clip`` > 0), step, zero the gradients; a loss-scaled step whose gradients
+        overflowed is skipped (``applied`` False)."""
+        return self.strategy.step(model, optimizer)
+
+    def zero_grad(self, model, optimizer) -> None:
+        """Drop accumulated gradients without stepping (a skipped step)."""
+        self.strategy.zero_grad(model, optimizer)
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
+        """The full fp32 weights on the main process (None elsewhere); every process must call."""
+        return self.strategy.full_state_dict(model, self.is_main)
+
+    def gathered(self, module):
+        """Full parameters of ``module`` readable inside (ZeRO-3 partitions them); every process enters."""
+        return self.strategy.gathered(module)
+
+    def model_for_evaluation(self, model, rebuild):
+        """The fp32 model to evaluate on the main process (None elsewhere); every process must call."""
+        return self.strategy.model_for_evaluation(model, rebuild, self.device, self.is_main)
+
+    def save_sharded(self, model, directory) -> None:
+        self.strategy.save_sharded(model, directory)
+
+    def load_sharded(self, model, directory) -> None:
+        self.strategy.load_sharded(model, directory)
+
+    def scaler_state(self) -> dict | None:
+        return self.strategy.scaler_state()
+
+    def load_scaler_state(self, state: dict | None) -> None:
+        self.strategy.load_scaler_state(state)
+
+    # ------------------------------------------------------------------ data and gathers
+
+    def to_device(self, batch: Any) -> Any:
+        """Move a batch to the device (in the strategy's input dtype)."""
+        if isinstance(batch, torch.Tensor):
+            return self.strategy.cast_input(batch.to(self.device, non_blocking=True))
+        if isinstance(batch, dict):
+            return {k: self.to_device(v) for k, v in batch.items()}
+        return batch
+
+    def gather(self, points: PointSet) -> PointSet:
+        """This process's point sets -> the global batch [W·n, M, d] in fp32, per the recipe's
+        ``gather_with_grad`` (one process: a dtype cast)."""
+        gather = (
+            collectives.gather_with_grad if self.config.gather_with_grad else collectives.gather_without_grad
+        )
+        points = points.float()
+        return PointSet(
+            gather(points.points),
+            None if points.weights is None else gather(points.weights),
+            None if points.mask is None else self.gather_rows(points.mask),
+            points.weight_normalization,
+        )
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Per-sample values without gradient (global indices, meta-data tensors) -> [W·n, ...]."""
+        return collectives.gather_with_grad(tensor.detach())
+
+    def gather_list(self, values: list) -> list:
+        return collectives.gather_objects(values)
+
+    def local_rows(self, local_size: int) -> slice:
+        """This process's rows of the global batch."""
+        return slice(self.rank * local_size, (self.rank + 1) * local_size)
+
+    def targets(self, anchors: int, offset: int = 0) -> torch.Tensor:
+        """[anchors] column of each anchor's positive: the diagonal, shifted by ``offset`` for
+        a local loss (this process's anchors against the global candidates)."""
+        return torch.arange(offset, offset + anchors, device=self.device)
+
+    def generator(self, step: int) -> torch.Generator:
+        """A generator seeded by (seed, step): identical randomness on every rank (e.g. WPSE's
+        fresh random features), reproducible on resume."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.seed * 1_000_003 + step)
+        return generator
+
+    def rank_generator(self, step: int) -> torch.Generator:
+        """A CPU generator seeded by (seed, step, rank): different on every rank (e.g. augmentation
+        crops), reproducible on resume."""
+        generator = torch.Generator()
+        generator.manual_seed((self.seed * 1_000_003 + step) * 1_009 + self.rank)
+        return generator
+
+    def all_true(self, flag: bool) -> bool:
+        """``flag`` on every process (e.g. "my loss is finite"), so all take the same branch."""
+        return collectives.all_true(flag, self.device)
+
+    def wait(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+
+def launched_as_main() -> bool:
+    """Whether this is process 0 of a launch (``RANK`` set by ``accelerate launch``/``torchrun``),
+    known before any process group exists; True without a launcher."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def split_batch(global_batch_size: int | None, micro_batch_size: int, world_size: int) -> tuple[int, int]:
+    """(samples per process per step, samples per forward): :meth:`BatchPlan.split`'s two numbers."""
+    plan = BatchPlan.split(global_batch_size, micro_batch_size, world_size)
+    return plan.local_size, plan.micro_size
+
+
+def check_launcher_agrees(config: DistributedConfig) -> None:
+    """The recipe decides DeepSpeed and its ZeRO stage. A launcher's ``--use_deepspeed`` is accepted
+    when the recipe agrees (and then left to clipkit), refused when it contradicts the recipe."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    if config.strategy != "deepspeed":
+        raise ClipkitError(
+            "the launcher asked for DeepSpeed (--use_deepspeed or a DeepSpeed accelerate config) but the "
+            "recipe's train.distributed.strategy is 'ddp'; set train.distributed.strategy=deepspeed "
+            "(and train.distributed.zero_stage=N): clipkit derives the DeepSpeed config from the recipe"
+        )
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None and int(stage) != config.zero_stage:
+        raise ClipkitError(
+            f"the launcher asked for ZeRO stage {stage} but the recipe's train.distributed.zero_stage is "
+            f"{config.zero_stage}; drop --zero_stage (the recipe decides) or set the recipe's"
+        )
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # clipkit builds the engine, not Accelerate
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the loop draws from, for checkpoints."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

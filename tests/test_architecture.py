@@ -1,0 +1,157 @@
+"""The rules that make the house (docs/plugins.md, "Layout"), checked on the source itself.
+
+Imports are read with ``ast`` from every module of ``clipkit/`` and ``plugins/`` (installed as
+``clipkit.plugins``), function-level imports included — a lazy import is still a dependency —
+and ``if TYPE_CHECKING:`` blocks excluded (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_PACKAGE = "clipkit.train.runtime"
+DISTRIBUTED_LIBRARIES = ("torch.distributed", "accelerate", "deepspeed")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for the core and the built-in plugins."""
+    modules = {}
+    for top, package in ((ROOT / "clipkit", "clipkit"), (ROOT / "plugins", "clipkit.plugins")):
+        for path in sorted(top.rglob("*.py")):
+            parts = list(path.relative_to(top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every module name ``module`` imports (absolute; ``from X import y`` gives X and X.y)."""
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if is_type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return names
+
+
+IMPORTS = {module: imported_names(module, path) for module, path in MODULES.items()}
+
+
+def internal_edges(module: str) -> set[str]:
+    """The clipkit modules ``module`` depends on (a package's __init__ counts for its name)."""
+    return {name for name in IMPORTS[module] if name in MODULES and name != module}
+
+
+def test_the_source_was_read():
+    # Guards the other tests: an empty graph would pass them all.
+    assert "clipkit.train.loop" in MODULES and "clipkit.plugins.losses.nuclr" in MODULES
+    assert "clipkit.train.runtime" in internal_edges("clipkit.train.build")
+
+
+@pytest.mark.parametrize("library", DISTRIBUTED_LIBRARIES)
+def test_distributed_libraries_only_in_the_runtime(library):
+    offenders = sorted(
+        module
+        for module, names in IMPORTS.items()
+        if not (module == RUNTIME_PACKAGE or module.startswith(RUNTIME_PACKAGE + "."))
+        and any(name == library or name.startswith(library + ".") for name in names)
+    )
+    assert not offenders, f"{library} is imported outside {RUNTIME_PACKAGE}: {offenders}"
+
+
+def test_plugins_do_not_import_the_cli_the_loop_or_the_runtime():
+    forbidden = ("clipkit.cli", "clipkit.train")
+    offenders = {
+        module: sorted(name for name in IMPORTS[module] if name.startswith(forbidden))
+        for module in MODULES
+        if module.startswith("clipkit.plugins")
+    }
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, f"plugins import host internals: {offenders}"
+
+
+def test_core_does_not_import_plugins():
+    offenders = {
+        module: sorted(name for name in IMPORTS[module] if name.startswith("clipkit.plugins"))
+        for module in MODULES
+        if not module.startswith("clipkit.plugins")
+    }
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, f"core modules import plugins (they are found through hooks): {offenders}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def package_of(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
+def test_no_import_cycles():
+    # A package's __init__ importing its own sub-modules (re-exports, a plugin kind's hook) is how
+    # packages work, not a cycle between modules: those edges are left out.
+    graph = {
+        module: {
+            name
+            for name in internal_edges(module)
+            if not (MODULES[module].name == "__init__.py" and package_of(name) == module)
+        }
+        for module in MODULES
+    }
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
