@@ -123,6 +123,26 @@ def train(
     return result
 
 
+def train_in_process(recipe: dict, run_dir: Path, registry: Registry | None = None):
+    """Train a recipe given as a dict through the one loop, in this process, without export or
+    evaluation; returns the trained plain model (a :class:`clipkit.model.ContrastiveModel`).
+
+    For studies that build their recipes in code (``clipkit experiment pmi-fidelity``): the
+    recipe is validated like a file's, and the run directory gets recipe.yaml, metrics.jsonl and
+    a checkpoint as any run's does.
+    """
+    from clipkit.recipe import validate_or_raise
+    from clipkit.train.build import build_trainer, prepare_run_dir
+    from clipkit.train.loop import train_loop
+
+    registry = registry or default_registry()
+    recipe = validate_or_raise(recipe, registry)
+    prepare_run_dir(recipe, Path(run_dir), resume=False)
+    trainer = build_trainer(recipe, Path(run_dir), registry)
+    train_loop(trainer)
+    return trainer.runtime.unwrap(trainer.model)
+
+
 def plot_run(run_dir: Path) -> Path | None:
     """RUN/loss.png: the run's loss (and, when logged, learning rate) against step."""
     from clipkit.eval.report import plot_loss_curves

@@ -232,13 +232,13 @@ def recipes_command():
     """List recipes and their variants."""
     from rich.table import Table
 
-    from clipkit.recipe import read_base
+    from clipkit.recipe import read_base, variants_of
 
     reg = registry()
     table = Table("recipe", "variants", "description")
     for entry in reg.entries("recipe"):
         recipe = read_base(entry.name, reg)
-        variants = ", ".join(sorted(recipe.get("variants") or {}))
+        variants = ", ".join(variants_of(entry.name, reg))
         table.add_row(entry.name, variants, first_sentence(str(recipe.get("description", ""))))
     console().print(table)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 class ClipkitError(Exception):
@@ -49,3 +50,18 @@ def plural(kind: str) -> str:
 
 def close_matches(name: str, known: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(name, list(known), n=n, cutoff=0.5)
+
+
+def choice_error(name: str, value: Any, choices: Iterable[Any]) -> str | None:
+    """The one wording of "not one of the choices" (None when ``value`` is one)."""
+    choices = tuple(choices)
+    if value in choices:
+        return None
+    return f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}"
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices`` (for factories' argument checks)."""
+    message = choice_error(name, value, choices)
+    if message:
+        raise ValueError(message)

@@ -83,6 +83,19 @@ def register_evals(register):
 
 
 @hookspec
+def register_streams(register):
+    """Register batch streams for data that is generated, not stored (synthetic studies):
+    ``factory(batch_size, seed, rank, world_size, **recipe keys) -> stream`` for a recipe's
+    ``data.stream: {name: ..., ...}``, used instead of shards.
+
+    A stream is an iterator of batch dicts (tensors of this process's ``batch_size`` rows and an
+    ``index`` [B] long tensor of sample ids) with ``num_samples`` (the epoch size ids are taken
+    modulo), ``epoch`` and ``batch_in_epoch`` attributes, and ``position() -> dict`` /
+    ``restore(position)`` for exact resume. It must yield the same batches after ``restore``.
+    """
+
+
+@hookspec
 def register_recipes(register):
     """Register recipes: ``register(name, factory)`` with ``factory() -> dict`` (the YAML's
     content). Plugin packages can ship paper recipes this way."""

@@ -41,6 +41,8 @@ class ContrastiveModel(nn.Module):
     pair = "image_text": batch["image"] [B,3,S,S] vs batch["text"] [B,L].
     pair = "two_view":   batch["image"] vs batch["image2"], one shared image encoder
                          (SimCLR-style single-modality training through the same loop).
+    pair = "vectors":    batch["x"] [B, dx] through the image tower vs batch["y"] [B, dy] through
+                         the text tower, no tokenizer (synthetic studies on a registered stream).
     """
 
     def __init__(
@@ -84,6 +86,8 @@ class ContrastiveModel(nn.Module):
             pair = (None, None)
         elif self.pair == "two_view":
             pair = (self.encode_image(batch["image"]), self.encode_image(batch["image2"]))
+        elif self.pair == "vectors":
+            pair = (self.image_encoder(batch["x"]), self.text_encoder(batch["y"]))
         else:
             pair = (self.encode_image(batch["image"]), self.encode_text(batch["text"]))
         return pair if then is None else then(*pair)
@@ -127,6 +131,10 @@ def build_model(recipe: dict, registry: Registry) -> ContrastiveModel:
             embed_dim=model.embed_dim,
             vocab_size=tokenizer.vocab_size,
             context_length=tokenizer.context_length,
+        )
+    elif model.pair == "vectors":
+        text_encoder = build_slot(
+            registry, "encoder", model.text_encoder, "model.text_encoder", embed_dim=model.embed_dim
         )
     image_encoder = build_slot(
         registry,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from clipkit.errors import RecipeError, UnknownNameError, close_matches
+from clipkit.errors import RecipeError, UnknownNameError, choice_error, close_matches
 from clipkit.registry import Registry
 from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
 
@@ -42,7 +42,10 @@ SLOTS = (
     Slot("loss", "loss", frozenset({"num_samples", "total_steps"})),
     Slot("optimizer", "optimizer", frozenset({"named_parameters"})),
     Slot("schedule", "schedule", frozenset({"optimizer", "total_steps"})),
+    Slot("data.stream", "stream", frozenset({"batch_size", "seed", "rank", "world_size"})),
 )
+#: Slots a recipe may leave out (None): the loop then does without them.
+OPTIONAL_SLOTS = ("data.stream",)
 EVAL_INJECTED = frozenset()
 
 
@@ -52,6 +55,7 @@ class DataConfig:
 
     shards: str = ""  # directory with manifest.json; created from `source` when missing
     source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
+    stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
     batch_size: int = 128
     num_workers: int = 0
     shuffle_buffer: int = 1000
@@ -79,7 +83,9 @@ class ModelConfig:
     image_size: int = 224
     mean: tuple = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation
     std: tuple = (0.26862954, 0.26130258, 0.27577711)
-    pair: str = "image_text"  # or "two_view": one image encoder, two augmented views
+    # "image_text"; "two_view": one image encoder, two augmented views; "vectors": two towers over
+    # the stream's vectors batch["x"] [B, dx] and batch["y"] [B, dy], no tokenizer (synthetic studies)
+    pair: str = "image_text"
     image_encoder: Any = None
     text_encoder: Any = None
     tokenizer: Any = None
@@ -143,7 +149,7 @@ PRECISIONS = ("no", "bf16", "fp16")
 NONFINITE = ("stop", "skip")
 STRATEGIES = ("ddp", "deepspeed")
 OFFLOAD = ("none", "cpu")
-PAIRS = ("image_text", "two_view")
+PAIRS = ("image_text", "two_view", "vectors")
 TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
 AUGMENT_MODES = ("sample", "batched")
 
@@ -269,9 +275,14 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
             errors.append(_unknown_key(key, key, TOP_LEVEL))
     for section, schema in SECTIONS.items():
         errors += _check_section(recipe.get(section), section, schema)
+    pair = get_path(recipe, "model.pair")
     for slot in SLOTS:
-        if slot.path in TEXT_SLOTS and get_path(recipe, "model.pair") == "two_view":
+        if slot.path in TEXT_SLOTS and pair == "two_view":
             continue  # one shared image encoder: no text tower, no tokenizer
+        if slot.path == "model.tokenizer" and pair == "vectors":
+            continue  # vector inputs: nothing to tokenize
+        if slot.path in OPTIONAL_SLOTS and get_path(recipe, slot.path) is None:
+            continue
         errors += check_slot(get_path(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
     tasks = recipe.get("eval") or []
     if not isinstance(tasks, list):
@@ -387,8 +398,11 @@ def _check_section(config: Any, section: str, schema) -> list[str]:
 def _check_values(recipe: dict) -> list[str]:
     errors = []
     data, train, model = (recipe.get(k) or {} for k in ("data", "train", "model"))
-    if isinstance(data, dict) and not (data.get("shards") or data.get("source")):
-        errors.append("data: set `shards` (a shard directory) and/or `source` (a URI to shard from)")
+    if isinstance(data, dict) and not (data.get("shards") or data.get("source") or data.get("stream")):
+        errors.append(
+            "data: set `shards` (a shard directory) and/or `source` (a URI to shard from), "
+            "or `stream` (a registered batch stream)"
+        )
     if isinstance(train, dict) and train.get("precision", "no") not in PRECISIONS:
         errors.append(f"train.precision: must be one of {', '.join(PRECISIONS)}")
     if isinstance(model, dict) and model.get("pair", "image_text") not in PAIRS:
@@ -425,10 +439,8 @@ def _check_train(train: dict) -> list[str]:
 
 
 def _check_choice(config: dict, where: str, key: str, choices: tuple) -> list[str]:
-    value = config.get(key, choices[0])
-    if value not in choices:
-        return [f"{where}.{key}: must be one of {', '.join(map(str, choices))}, got {value!r}"]
-    return []
+    message = choice_error(f"{where}.{key}:", config.get(key, choices[0]), choices)
+    return [message] if message else []
 
 
 def distributed_config(recipe: dict) -> DistributedConfig:

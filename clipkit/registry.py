@@ -26,6 +26,7 @@ KINDS = {
     "optimizer": "register_optimizers",
     "schedule": "register_schedules",
     "eval": "register_evals",
+    "stream": "register_streams",
     "recipe": "register_recipes",
 }
 

@@ -142,6 +142,52 @@ class PointSet(_PointSetFields):
             first.weight_normalization,
         )
 
+    def union_by_group(self, groups: Tensor, weights: Tensor, *, fill_weight: float = 0.0) -> PointSet:
+        """Zero-shot prompt ensembling by union (WPSE §2, KME §3): each group's prompts side by side.
+
+        self: [B, M, d] prompt point sets; groups: [B] ids in [0, G), every id used; weights:
+        [B, M] each prompt's per-point weights as the similarity defines them; they are divided by
+        the group's prompt count K_g, so the union is the mean of the group's mixtures.
+        -> PointSet [G, K·M, d], K the largest group: prompt
+        k of group g fills slots k·M .. (k+1)·M − 1 of row g (in input order); unused slots and
+        masked points have mask False, point 0 and weight ``fill_weight``. Points are never averaged.
+        """
+        import torch
+
+        if groups.dim() != 1 or groups.shape[0] != self.batch_size:
+            raise ValueError(f"groups must be [B] = [{self.batch_size}], got shape {tuple(groups.shape)}")
+        if groups.numel() == 0 or int(groups.min()) < 0:
+            raise ValueError("groups must be non-empty group ids >= 0")
+        groups = groups.to(device=self.points.device, dtype=torch.long)
+        counts = torch.bincount(groups)  # [G]
+        if bool((counts == 0).any()):
+            missing = torch.nonzero(counts == 0).flatten().tolist()
+            raise ValueError(f"every group id 0..{counts.numel() - 1} needs a prompt; missing {missing}")
+        num_groups, slots = counts.numel(), int(counts.max())
+        # Slot of each prompt within its group: its rank among the group's prompts in input order.
+        order = torch.argsort(groups, stable=True)
+        starts = torch.cumsum(counts, 0) - counts  # [G] first sorted position of each group
+        slot = torch.empty_like(groups)
+        slot[order] = torch.arange(self.batch_size, device=groups.device) - starts[groups[order]]
+
+        weights = weights / counts[groups].unsqueeze(1).to(weights.dtype)
+        batch, points, dim = self.points.shape
+        real = self.mask if self.mask is not None else torch.ones_like(weights, dtype=torch.bool)
+        out_points = self.points.new_zeros(num_groups, slots, points, dim).index_put(
+            (groups, slot), self.points
+        )
+        filled = torch.where(real, weights, torch.full_like(weights, fill_weight))
+        out_weights = weights.new_full((num_groups, slots, points), fill_weight).index_put(
+            (groups, slot), filled
+        )
+        out_mask = real.new_zeros(num_groups, slots, points).index_put((groups, slot), real)
+        return PointSet(
+            out_points.reshape(num_groups, slots * points, dim),
+            out_weights.reshape(num_groups, -1),
+            out_mask.reshape(num_groups, -1),
+            self.weight_normalization,
+        )
+
     def _map(self, function, *, mask: bool = False) -> PointSet:
         """``function`` applied to points and weights (and the mask when ``mask``)."""
         return PointSet(

@@ -24,6 +24,7 @@ SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_full_size_model_builds(spec):
     recipe = resolve(spec, [], REGISTRY)
@@ -37,6 +38,7 @@ def test_full_size_model_builds(spec):
     assert parameters > 1_000_000, f"{spec}: {parameters} parameters is not a paper-size model"
 
 
+@pytest.mark.slow
 def test_the_paper_towers_have_their_published_sizes():
     """Image + text towers as the recipes build them (CLIP's ViT-B/16: 86.2 M + 63.4 M)."""
     with torch.device("meta"):

@@ -59,6 +59,7 @@ def test_the_paper_recipes_have_tiny_variants():
     } <= set(SPECS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_trains_20_steps_with_finite_losses(spec, shards, tmp_path):
     overrides = [

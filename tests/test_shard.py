@@ -1,5 +1,6 @@
 """Shards: round trip, manifest, atomic writes, the loader's index coverage and exact skipping."""
 
+import hashlib
 import json
 
 import pytest
@@ -195,9 +196,13 @@ def test_too_few_samples_for_a_batch(shards):
         stream(directory, batch_size=21, world_size=2, rank=0)
 
 
-def test_manifest_is_json(shards):
+def test_manifest_describes_the_shards_on_disk(shards):
     directory, _ = shards
-    json.loads((directory / "manifest.json").read_text())
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["n"] == 40 == sum(shard["count"] for shard in manifest["shards"])
+    for shard in manifest["shards"]:
+        path = directory / shard["name"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["sha256"], shard["name"]
 
 
 def test_existing_shards_of_another_source_are_refused(shards):

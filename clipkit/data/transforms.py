@@ -219,11 +219,6 @@ def draw_jitter(strength: float, rng: random.Random) -> tuple[tuple[str, float],
     )
 
 
-def jitter_colours(image, strength: float, rng: random.Random):
-    """RGB PIL image with SimCLR's colour jitter (:func:`draw_jitter`) applied."""
-    return apply_jitter(image, draw_jitter(strength, rng))
-
-
 def apply_jitter(image, operations: tuple[tuple[str, float], ...]):
     from PIL import ImageEnhance
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from clipkit.data.loader import BatchStream
-from clipkit.data.shard import read_manifest
 from clipkit.data.shard_writer import ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError
@@ -48,14 +47,18 @@ class Trainer:
     model: Any  # as prepared by the runtime (DDP module or DeepSpeed engine)
     similarity: Any  # the plain similarity module inside ``model``
     loss: Any
-    loss_requires: frozenset[str]
     optimizer: Any
     schedule: Any
-    stream: BatchStream
+    stream: Any  # BatchStream over shards, or a registered stream (data.stream)
     run: RunInfo
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
     augment: Any = None  # BatchedDeviceAugment under data.augment: batched
+
+    @property
+    def loss_requires(self) -> frozenset[str]:
+        """The context fields the loss declared (:class:`clipkit.types.Loss`)."""
+        return optional_member(self.loss, "requires")
 
 
 def default_shard_dir(source: str) -> Path:
@@ -75,14 +78,12 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         micro_batch_size=settings.micro_batch_size,
         grad_clip=settings.grad_clip,
     )
-    shards = ensure_shards_once(runtime, data, registry)
-    num_samples = int(read_manifest(shards)["n"])
-
     model = build_model(recipe, registry)
+    stream = build_stream(recipe, runtime, registry, model)
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)
     loss = build_slot(
-        registry, "loss", recipe["loss"], "loss", num_samples=num_samples, total_steps=settings.steps
+        registry, "loss", recipe["loss"], "loss", num_samples=stream.num_samples, total_steps=settings.steps
     )
     check_loss_fits_runtime(loss, model.similarity, runtime)
     optimizer = build_slot(
@@ -92,21 +93,6 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         registry, "schedule", recipe["schedule"], "schedule", optimizer=optimizer, total_steps=settings.steps
     )
     two_view, batched = model.pair == "two_view", data.augment == "batched"
-    transform = ResizedUInt8(batched_input_size(recipe)) if batched else build_transform(recipe, train=True)
-    stream = BatchStream(
-        shards,
-        batch_size=runtime.plan.local_size,
-        transform=transform,
-        tokenizer=model.tokenizer,
-        seed=seed,
-        num_workers=data.num_workers,
-        shuffle_buffer=data.shuffle_buffer,
-        resampled=data.resampled,
-        views=2 if two_view and not batched else 1,  # batched: both views are made on the device
-        meta_keys=dict(data.meta_keys),
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-    )
     if settings.compile != "none":
         model = compile_model(model, settings.compile)
     checkpoint_path = latest_checkpoint(run_dir) if resume else None
@@ -126,7 +112,6 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         model=prepared_model,
         similarity=runtime.unwrap(prepared_model).similarity,
         loss=loss,
-        loss_requires=optional_member(loss, "requires"),
         optimizer=prepared_optimizer,
         schedule=schedule,
         stream=stream,
@@ -137,6 +122,32 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     if state is not None:
         restore_trainer(trainer, checkpoint_path, state)
     return trainer
+
+
+def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
+    """This process's batches: a registered stream (``data.stream``) or the recipe's shards (made
+    from ``data.source`` first when missing)."""
+    data, seed = section(recipe, "data"), int(recipe.get("seed", 0))
+    place = {"seed": seed, "rank": runtime.rank, "world_size": runtime.world_size}
+    if data.stream is not None:
+        return build_slot(
+            registry, "stream", data.stream, "data.stream", batch_size=runtime.plan.local_size, **place
+        )
+    shards = ensure_shards_once(runtime, data, registry)
+    two_view, batched = model.pair == "two_view", data.augment == "batched"
+    transform = ResizedUInt8(batched_input_size(recipe)) if batched else build_transform(recipe, train=True)
+    return BatchStream(
+        shards,
+        batch_size=runtime.plan.local_size,
+        transform=transform,
+        tokenizer=model.tokenizer,
+        num_workers=data.num_workers,
+        shuffle_buffer=data.shuffle_buffer,
+        resampled=data.resampled,
+        views=2 if two_view and not batched else 1,  # batched: both views are made on the device
+        meta_keys=dict(data.meta_keys),
+        **place,
+    )
 
 
 def compile_model(model, mode: str):

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.errors import check_choice
 from clipkit.registry import preset
 from clipkit.types import PointSet
 
-from .conv_common import OUTPUTS, check_choice, check_images, check_layers, run_blocks
+from .conv_common import OUTPUTS, check_images, check_layers, run_blocks
 
 #: The network reduces the resolution by 32 (stem: 4, then three stride-2 stages).
 REDUCTION = 32

@@ -20,13 +20,6 @@ from torch.utils.checkpoint import checkpoint
 OUTPUTS = ("cls", "tokens")
 
 
-def check_choice(name: str, value: str, choices: Iterable[str]) -> None:
-    """Raise ValueError unless ``value`` is one of ``choices``."""
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
 def check_layers(layers: Iterable[int], stages: int = 4) -> tuple[int, ...]:
     """``layers`` = blocks per residual stage: ``stages`` integers >= 1."""
     layers = tuple(layers)

@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.errors import check_choice
 from clipkit.registry import preset
 from clipkit.types import PointSet
 
 from .conv_common import recompute_contexts
-from .vit import check_choice, check_positive
+from .vit import check_positive
 
 HEADS = ("mlp", "linear")
 

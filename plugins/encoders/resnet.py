@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.errors import check_choice
 from clipkit.types import PointSet
 
-from .conv_common import OUTPUTS, check_choice, check_images, check_layers, run_blocks
+from .conv_common import OUTPUTS, check_images, check_layers, run_blocks
 
 BLOCKS = ("bottleneck", "basic")
 STEMS = ("imagenet", "cifar")

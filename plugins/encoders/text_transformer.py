@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from clipkit.errors import check_choice
 from clipkit.registry import preset
 from clipkit.types import PointSet
 
 # Relative (= clipkit.plugins.encoders.vit): plugins/ installs as clipkit.plugins, which ruff's isort
 # cannot see from the source tree.
-from .vit import WEIGHT_HEADS, PointWeightHead, Transformer, check_choice, check_positive, point_set
+from .vit import WEIGHT_HEADS, PointWeightHead, Transformer, check_positive, point_set
 
 OUTPUTS = ("eos", "tokens")
 PAD_POINTS = ("mask", "include")

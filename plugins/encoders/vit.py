@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.errors import check_choice
 from clipkit.registry import preset
 from clipkit.types import PointSet
 
@@ -31,12 +32,6 @@ def check_positive(**values: float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-
-
-def check_choice(name: str, value, choices: tuple) -> None:
-    """Raise ValueError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def check_heads(width: int, heads: int) -> None:

@@ -32,6 +32,20 @@ def register_commands(app):
     app.add_typer(experiment_app, name="experiment")
 
 
+@hookimpl
+def register_encoders(register):
+    from clipkit.plugins.experiments import pmi
+
+    register("point_set_mlp", pmi.point_set_mlp)  # vector -> point set, for `model.pair: vectors`
+
+
+@hookimpl
+def register_streams(register):
+    from clipkit.plugins.experiments import pmi
+
+    register("pmi_pairs", pmi.LatentPairStream)  # fresh joint samples with closed-form PMI
+
+
 def similarity_specs(items: list[str]) -> list[dict | str] | None:
     """``--similarity`` values: a registered name (``kme``) or a YAML/flow mapping
     (``{name: wpse, kernel: imq, label: wpse-imq}``)."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from clipkit.types import Logits, PointSet
+from clipkit.types import Logits, LossContext, PointSet
 
 #: Keys of a benchmark entry that configure the benchmark, not the similarity factory.
 ENTRY_KEYS = ("label", "points", "weighted")
@@ -214,10 +214,12 @@ def pmi_fidelity(learned: Tensor, true: Tensor) -> dict[str, float]:
 
 def infonce(i2t: Tensor, t2i: Tensor | None = None) -> Tensor:
     """Symmetric CLIP loss (METHODS §1) of [N, N] logits whose positives are the diagonal:
-    ½ [ mean_a CE(L[a, :], a) + mean_b CE(L_t2i[b, :], b) ], t2i = i2t.T unless given."""
-    t2i = i2t.t() if t2i is None else t2i
-    targets = torch.arange(i2t.shape[0], device=i2t.device)
-    return (nn.functional.cross_entropy(i2t, targets) + nn.functional.cross_entropy(t2i, targets)) / 2
+    ½ [ mean_a CE(L[a, :], a) + mean_b CE(L_t2i[b, :], b) ], t2i = i2t.T unless given — the
+    registered ``infonce`` loss itself, so the study scores with what it trains with."""
+    from clipkit.plugins.losses.infonce import InfoNCE
+
+    logits = Logits(i2t=i2t, t2i=i2t.t() if t2i is None else t2i)
+    return InfoNCE()(logits, torch.arange(i2t.shape[0], device=i2t.device), LossContext()).loss
 
 
 def infonce_gap(learned: Tensor | Logits, true_pmi: Tensor) -> float:
@@ -297,6 +299,82 @@ def parse_entries(similarities: Sequence[dict | str] | None, points: int) -> lis
     if len(set(labels)) != len(labels):
         raise ValueError(f"benchmark labels must be unique (give a 'label'), got {labels}")
     return entries
+
+
+def point_set_mlp(*, embed_dim: int, in_dim: int, points: int = 8, weighted: bool = False, hidden: int = 64):
+    """The ``point_set_mlp`` encoder: :class:`PointSetMLP` for ``model.pair: vectors`` recipes."""
+    return PointSetMLP(in_dim, embed_dim, points, weighted=weighted, hidden=hidden)
+
+
+class LatentPairStream:
+    """The ``pmi_pairs`` stream: every batch is ``batch_size`` fresh joint samples of a
+    :class:`LatentPairDistribution` (``batch["x"]`` [B, dx], ``batch["y"]`` [B, dy]).
+
+    seed:               the sample stream (the run's seed; rank r > 0 draws from its own stream).
+    distribution_seed:  the task's means (LatentPairDistribution's ``seed``); the other keys are
+                        the distribution's own arguments.
+    samples_per_epoch:  the nominal epoch (sample ids are counted modulo it; nothing repeats).
+
+    ``position`` is the number of batches drawn; ``restore`` replays that many, so a resumed run
+    sees the batches an uninterrupted one would.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_latent: int = 8,
+        x_dim: int = 8,
+        y_dim: int = 8,
+        prior: list | None = None,
+        separation: float = 1.0,
+        noise_x: float = 1.0,
+        noise_y: float = 1.0,
+        distribution_seed: int = 0,
+        samples_per_epoch: int = 65_536,
+    ) -> None:
+        self.distribution = LatentPairDistribution(
+            num_latent, x_dim, y_dim, prior=prior, separation=separation, noise_x=noise_x,
+            noise_y=noise_y, seed=distribution_seed,
+        )  # fmt: skip
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.num_samples = samples_per_epoch
+        self._restart(0)
+
+    def _restart(self, batches: int) -> None:
+        # Rank 0 draws from ``seed`` itself, so one process sees the stream the study documents.
+        self.generator = torch.Generator().manual_seed(self.seed + 7_919 * self.rank)
+        self.drawn = 0
+        for _ in range(batches):
+            next(self)
+
+    @property
+    def epoch(self) -> int:
+        return self.drawn * self.batch_size * self.world_size // self.num_samples
+
+    @property
+    def batch_in_epoch(self) -> int:
+        per_epoch = max(1, self.num_samples // (self.batch_size * self.world_size))
+        return self.drawn % per_epoch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, Tensor]:
+        x, y, _ = self.distribution.sample_pairs(self.batch_size, self.generator)
+        first = (self.drawn * self.world_size + self.rank) * self.batch_size
+        self.drawn += 1
+        index = torch.arange(first, first + self.batch_size) % self.num_samples
+        return {"x": x, "y": y, "index": index}
+
+    def position(self) -> dict[str, int]:
+        return {"batches": self.drawn}
+
+    def restore(self, position: dict[str, int]) -> None:
+        self._restart(int(position["batches"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,6 +501,26 @@ def _torch_threads(count: int | None):
         torch.set_num_threads(previous)
 
 
+def study_stream(distribution: LatentPairDistribution) -> dict[str, Any]:
+    """The recipe's ``data.stream`` that samples ``distribution`` (its config, seed renamed)."""
+    config = dict(distribution.config)
+    distribution_seed = config.pop("seed")
+    return {"name": "pmi_pairs", **config, "distribution_seed": distribution_seed}
+
+
+def train_study_model(recipe: dict, registry) -> tuple[Any, list[float]]:
+    """Train ``recipe`` through clipkit's one loop in a scratch run directory; returns the plain
+    trained model and the per-step training losses (from the run's metrics.jsonl)."""
+    import tempfile
+
+    from clipkit.api import train_in_process
+
+    with tempfile.TemporaryDirectory(prefix="clipkit-pmi-") as run_dir:
+        model = train_in_process(recipe, Path(run_dir), registry)
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return model, [float(json.loads(line)["loss"]) for line in lines]
+
+
 def _held_out_batches(
     distribution: LatentPairDistribution, count: int, batch_size: int, seed: int
 ) -> list[tuple[Tensor, Tensor]]:
@@ -446,31 +544,29 @@ def _train_and_score(
     lr: float,
 ) -> tuple[dict[str, Any], tuple[Tensor, Tensor]]:
     """Train one entry; returns (metrics, (learned, true) flattened held-out values for plots)."""
-    from clipkit.model import build_slot  # the recipe's rule for a similarity slot (embed_dim injected)
-
     x_dim, y_dim = distribution.means_x.shape[1], distribution.means_y.shape[1]
-    encode_x = PointSetMLP(x_dim, embed_dim, entry.points, weighted=entry.weighted, hidden=hidden)
-    encode_y = PointSetMLP(y_dim, embed_dim, entry.points, weighted=entry.weighted, hidden=hidden)
-    similarity = build_slot(
-        registry, "similarity", entry.config, f"pmi benchmark {entry.label!r}", embed_dim=embed_dim
-    )
-    modules = nn.ModuleList([encode_x, encode_y, similarity])
-    optimizer = torch.optim.Adam(modules.parameters(), lr=lr)
-    data = torch.Generator().manual_seed(seed)
-    features = torch.Generator().manual_seed(seed + 1)  # fresh random features per step (WPSE §2)
+    tower = {"name": "point_set_mlp", "points": entry.points, "weighted": entry.weighted, "hidden": hidden}
+    recipe = {
+        "name": f"pmi-fidelity/{entry.label}",
+        "seed": seed,
+        "data": {"stream": study_stream(distribution), "batch_size": batch_size},
+        "model": {
+            "pair": "vectors",
+            "embed_dim": embed_dim,
+            "image_encoder": {**tower, "in_dim": x_dim},
+            "text_encoder": {**tower, "in_dim": y_dim},
+        },
+        "similarity": entry.config,
+        "loss": {"name": "infonce"},
+        "optimizer": {"name": "adam", "lr": lr},
+        "schedule": {"name": "constant"},
+        "train": {"steps": steps, "log_every": 1, "checkpoint_every": steps, "keep_checkpoints": 1},
+    }
     started = time.perf_counter()
-    modules.train()
-    losses = []
-    for _ in range(steps):
-        x, y, _ = distribution.sample_pairs(batch_size, data)
-        logits = similarity(encode_x(x), encode_y(y), generator=features)
-        loss = infonce(logits.i2t, logits.t2i)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    model, losses = train_study_model(recipe, registry)
     train_seconds = time.perf_counter() - started
-
+    encode_x, encode_y, similarity = model.image_encoder, model.text_encoder, model.similarity
+    modules = nn.ModuleList([encode_x, encode_y, similarity])
     modules.eval()
     learned = []
     with torch.no_grad():

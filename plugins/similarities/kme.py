@@ -443,33 +443,14 @@ class KMESimilarity(nn.Module):
         """
         if groups.dim() != 1 or groups.shape[0] != x.batch_size:
             raise ValueError(f"groups must be [B] = [{x.batch_size}], got {tuple(groups.shape)}")
-        num_groups = int(groups.max()) + 1
-        counts = torch.bincount(groups, minlength=num_groups)
-        order = torch.argsort(groups, stable=True)
-        sorted_groups = groups[order]
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(x.batch_size, device=groups.device) - starts[sorted_groups]
-        per_group = int(counts.max())
-        _, m, d = x.points.shape
-
         mask = x.mask if x.mask is not None else torch.ones_like(x.points[..., 0], dtype=torch.bool)
         if x.weights is not None:
             weights = x.weights
         else:  # the forward pass's rule for weights None, made explicit per prompt
-            weights = (1.0 / mask.sum(dim=1, keepdim=True).clamp_min(1)).to(x.points.dtype).expand(-1, m)
-        weights = weights / counts[groups].unsqueeze(1).to(weights.dtype)
-
-        points = x.points.new_zeros(num_groups, per_group, m, d)
-        points[sorted_groups, slot] = x.points[order]
-        out_weights = weights.new_ones(num_groups, per_group, m)
-        out_weights[sorted_groups, slot] = torch.where(mask, weights, torch.ones_like(weights))[order]
-        out_mask = mask.new_zeros(num_groups, per_group, m)
-        out_mask[sorted_groups, slot] = mask[order]
-        return PointSet(
-            points.view(num_groups, per_group * m, d),
-            out_weights.view(num_groups, per_group * m),
-            out_mask.view(num_groups, per_group * m),
-        )
+            weights = (1.0 / mask.sum(dim=1, keepdim=True).clamp_min(1)).to(x.points.dtype).expand_as(mask)
+        # Fill weight 1, not 0: KME takes log w, and masked slots must stay finite before masking.
+        union = x.union_by_group(groups, weights, fill_weight=1.0)
+        return PointSet(union.points, union.weights, union.mask)
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging during training."""

@@ -281,41 +281,15 @@ class CosineMeanSimilarity(nn.Module):
 
 
 def union_by_group(x: PointSet, groups: Tensor) -> PointSet:
-    """Union of each group's point sets, each set's normalised weights divided by its group size.
-
-    x: [B, M, d], groups: [B] long ids in [0, G), every id used -> PointSet [G, K·M, d] with
-    K = the largest group size; slot k of group g holds the group's k-th prompt (in input order).
-    """
-    if groups.dim() != 1 or groups.shape[0] != x.batch_size:
-        raise ValueError(f"groups must be [B] = [{x.batch_size}], got shape {tuple(groups.shape)}")
-    if groups.numel() == 0 or int(groups.min()) < 0:
-        raise ValueError("groups must be non-empty group ids >= 0")
-    groups = groups.to(device=x.points.device, dtype=torch.long)
-    counts = torch.bincount(groups)  # [G]
-    if bool((counts == 0).any()):
-        missing = torch.nonzero(counts == 0).flatten().tolist()
-        raise ValueError(f"every group id 0..{counts.numel() - 1} needs a prompt; missing {missing}")
-    num_groups, slots = counts.numel(), int(counts.max())
-    # Slot of each prompt within its group: its rank among the group's prompts in input order.
-    order = torch.argsort(groups, stable=True)
-    starts = torch.cumsum(counts, 0) - counts  # [G] first sorted position of each group
-    slot = torch.empty_like(groups)
-    slot[order] = torch.arange(x.batch_size, device=groups.device) - starts[groups[order]]
-
-    batch, points, dim = x.points.shape
-    weights = x.normalized_weights() / counts[groups].unsqueeze(1).to(x.points.dtype)  # [B, M]
-    real = x.mask if x.mask is not None else torch.ones(batch, points, dtype=torch.bool, device=groups.device)
-    out_points = x.points.new_zeros(num_groups, slots, points, dim).index_put((groups, slot), x.points)
-    out_weights = weights.new_zeros(num_groups, slots, points).index_put((groups, slot), weights)
-    out_mask = real.new_zeros(num_groups, slots, points).index_put((groups, slot), real)
-    out_weights, out_mask = out_weights.reshape(num_groups, -1), out_mask.reshape(num_groups, -1)
+    """WPSE's union: each prompt's normalised weights divided by its group size (masked points and
+    padding slots weight 0). x: [B, M, d], groups: [B] -> PointSet [G, K·M, d]."""
+    union = x.union_by_group(groups, x.normalized_weights(), fill_weight=0.0)
     if x.weight_normalization == "count":
         # Signed weights (WPSE code): keep the mixture weights exactly, since re-dividing them by
         # their sum (which may be ~0) is not the same mixture; "count" divides by the real points.
-        out_weights = out_weights * out_mask.sum(dim=1, keepdim=True).to(out_weights.dtype)
-    return PointSet(
-        out_points.reshape(num_groups, slots * points, dim), out_weights, out_mask, x.weight_normalization
-    )
+        scale = union.mask.sum(dim=1, keepdim=True).to(union.weights.dtype)
+        union = PointSet(union.points, union.weights * scale, union.mask, union.weight_normalization)
+    return union
 
 
 def _validate(embed_dim: int, kernel: str, alpha: list, sigma: float, c: float, num_features: int) -> None:
