@@ -8,6 +8,7 @@ twice is an error naming both plugins (the host validates, as in ``llm``).
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -149,7 +150,13 @@ def preset(factory: Callable, doc: str, *, fixed: dict[str, Any] | None = None, 
     def build(**kwargs: Any):
         return factory(**{**defaults, **kwargs, **fixed})
 
-    build.__signature__ = signature.replace(parameters=parameters)
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:  # resolved now, so recipe validation type-checks a preset's values like the factory's
+        build.__annotations__ = {k: v for k, v in typing.get_type_hints(target).items() if k not in fixed}
+    except Exception:  # unresolvable annotations: validation then skips type checks, as for any factory
+        build.__annotations__ = {}
+    returns = factory if inspect.isclass(factory) else signature.return_annotation
+    build.__signature__ = signature.replace(parameters=parameters, return_annotation=returns)
     build.__doc__ = doc
     build.__name__ = build.__qualname__ = f"{factory.__name__}_preset"
     build.__module__ = factory.__module__

@@ -73,3 +73,20 @@ def test_builtin_distribution_is_clipkit(registry):
 def test_registry_is_read_only(registry):
     with pytest.raises(TypeError):
         registry._table("loss")["x"] = None
+
+
+def test_a_preset_is_its_factory_with_fixed_and_default_arguments():
+    import inspect
+
+    from clipkit.registry import preset
+
+    def factory(*, width: int, depth: int = 2, act: str = "gelu") -> tuple:
+        return width, depth, act
+
+    small = preset(factory, "Small.", fixed={"depth": 1}, width=8)
+    assert list(inspect.signature(small).parameters) == ["width", "act"]  # fixed ones hidden
+    assert inspect.signature(small).parameters["width"].default == 8
+    assert small() == (8, 1, "gelu") and small(width=4, act="relu") == (4, 1, "relu")
+    assert small.__doc__ == "Small." and small.__annotations__["width"] is int
+    with pytest.raises(TypeError, match="no parameter"):
+        preset(factory, "Bad.", colour="red")

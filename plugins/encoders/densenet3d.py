@@ -217,34 +217,11 @@ def check_blocks(blocks: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(n) for n in blocks)
 
 
-def densenet3d(
-    *,
-    embed_dim: int,
-    image_size: int = 64,
-    in_channels: int = 1,
-    growth: int = 32,
-    blocks: Sequence[int] = (6, 12, 24, 16),
-    init_features: int = 64,
-    bn_size: int = 4,
-    head: str = "mlp",
-    final_norm: bool = True,
-    grad_checkpointing: bool = False,
-) -> DenseNet3d:
-    """Build a :class:`DenseNet3d` (defaults: 3-D DenseNet-121, one input channel, MLP head)."""
-    return DenseNet3d(
-        embed_dim=embed_dim,
-        image_size=image_size,
-        in_channels=in_channels,
-        growth=growth,
-        blocks=blocks,
-        init_features=init_features,
-        bn_size=bn_size,
-        head=head,
-        final_norm=final_norm,
-        grad_checkpointing=grad_checkpointing,
-    )
-
-
+densenet3d = preset(
+    DenseNet3d,
+    "Build a :class:`DenseNet3d` (defaults: 3-D DenseNet-121, one input channel, MLP head).",
+    image_size=64,
+)
 densenet3d_121 = preset(
     densenet3d,
     "3-D DenseNet-121 (growth 32, blocks (6, 12, 24, 16), 64 stem channels): y-Aware's MRI "

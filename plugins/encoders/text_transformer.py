@@ -139,38 +139,13 @@ def last_real_position(tokens: Tensor) -> Tensor:
     return torch.where(tokens != 0, positions, -1).amax(dim=1)
 
 
-def text_transformer(
-    *,
-    embed_dim: int,
-    vocab_size: int,
-    context_length: int,
-    width: int = 512,
-    layers: int = 12,
-    heads: int = 8,
-    mlp_ratio: float = 4.0,
-    output: str = "eos",
-    pad_points: str = "mask",
-    weights: str | None = None,
-    weight_scale: float = 1.0,
-    grad_checkpointing: bool = False,
-) -> TextTransformer:
-    """Build a :class:`TextTransformer` (defaults: CLIP's 512-wide, 12-layer text tower)."""
-    return TextTransformer(
-        embed_dim=embed_dim,
-        vocab_size=vocab_size,
-        context_length=context_length,
-        width=width,
-        layers=layers,
-        heads=heads,
-        mlp_ratio=mlp_ratio,
-        output=output,
-        pad_points=pad_points,
-        weights=weights,
-        weight_scale=weight_scale,
-        grad_checkpointing=grad_checkpointing,
-    )
-
-
+text_transformer = preset(
+    TextTransformer,
+    "Build a :class:`TextTransformer` (defaults: CLIP's 512-wide, 12-layer text tower).",
+    width=512,
+    layers=12,
+    heads=8,
+)
 clip_text = preset(
     text_transformer,
     "CLIP's text tower: 12 layers x 512 wide x 8 heads (WPSE, KME-CLIP: METHODS §9); the "

@@ -291,38 +291,15 @@ def check_num_points(num_points: int | None, output: str, available: int) -> Non
         )
 
 
-def vit(
-    *,
-    embed_dim: int,
-    image_size: int = 224,
-    patch_size: int = 16,
-    width: int = 768,
-    layers: int = 12,
-    heads: int = 12,
-    mlp_ratio: float = 4.0,
-    output: str = "cls",
-    num_points: int | None = None,
-    weights: str | None = None,
-    weight_scale: float = 1.0,
-    grad_checkpointing: bool = False,
-) -> VisionTransformer:
-    """Build a :class:`VisionTransformer` (defaults: ViT-B/16 at 224 px)."""
-    return VisionTransformer(
-        embed_dim=embed_dim,
-        image_size=image_size,
-        patch_size=patch_size,
-        width=width,
-        layers=layers,
-        heads=heads,
-        mlp_ratio=mlp_ratio,
-        output=output,
-        num_points=num_points,
-        weights=weights,
-        weight_scale=weight_scale,
-        grad_checkpointing=grad_checkpointing,
-    )
-
-
+vit = preset(
+    VisionTransformer,
+    "Build a :class:`VisionTransformer` (defaults: ViT-B/16 at 224 px).",
+    image_size=224,
+    patch_size=16,
+    width=768,
+    layers=12,
+    heads=12,
+)
 vit_b16 = preset(
     vit,
     "ViT-B/16 (patch 16, width 768, 12 layers, 12 heads; 197 tokens at 224 px): the image tower "
