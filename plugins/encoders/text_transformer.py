@@ -19,13 +19,13 @@ from clipkit.types import PointSet
 
 # Relative (= clipkit.plugins.encoders.vit): plugins/ installs as clipkit.plugins, which ruff's isort
 # cannot see from the source tree.
-from .vit import WEIGHT_HEADS, PointWeightHead, Transformer, check_positive, point_set
+from .vit import WEIGHT_HEADS, Transformer, TransformerTower, check_positive, point_set
 
 OUTPUTS = ("eos", "tokens")
 PAD_POINTS = ("mask", "include")
 
 
-class TextTransformer(nn.Module):
+class TextTransformer(TransformerTower):
     """Token + position embeddings -> causal pre-norm blocks -> ln_final -> proj.
 
     forward(tokens [B, L] long) -> PointSet with L2-normalised points
@@ -84,20 +84,7 @@ class TextTransformer(nn.Module):
         # Only token outputs expose padding positions as points; for "eos" a pad vector would be
         # a parameter that never receives a gradient.
         self.pad_embedding = nn.Parameter(torch.empty(width)) if output == "tokens" else None
-        self.weight_head = None
-        self.reset_parameters()
-        # Built last, so that the tower's own initialisation does not depend on whether it
-        # has a weight head (same seed -> same points with and without weights).
-        if weights is not None:
-            self.weight_head = PointWeightHead(width, weights, weight_scale)
-
-    @property
-    def grad_checkpointing(self) -> bool:
-        return self.transformer.grad_checkpointing
-
-    @grad_checkpointing.setter
-    def grad_checkpointing(self, enabled: bool) -> None:
-        self.transformer.grad_checkpointing = enabled
+        self.finish_tower(width, weights, weight_scale)
 
     def reset_parameters(self) -> None:
         """CLIP's init: tokens std 0.02, positions std 0.01, projection std width**-0.5; the pad

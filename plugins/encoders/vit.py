@@ -185,7 +185,32 @@ def point_set(
     return PointSet(points, head(features), mask, head.normalization)
 
 
-class VisionTransformer(nn.Module):
+class TransformerTower(nn.Module):
+    """What CLIP's image and text towers share: the ``grad_checkpointing`` switch of their
+    :class:`Transformer` (``self.transformer``) and the optional point-weight head, built after
+    the tower's own initialisation."""
+
+    transformer: Transformer
+
+    def finish_tower(self, width: int, weights: str | None, weight_scale: float) -> None:
+        """Initialise (``reset_parameters``), then add the weight head. Built last, so that the
+        tower's own initialisation does not depend on whether it has a weight head (same seed ->
+        same points with and without weights)."""
+        self.weight_head = None
+        self.reset_parameters()
+        if weights is not None:
+            self.weight_head = PointWeightHead(width, weights, weight_scale)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.transformer.grad_checkpointing
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, enabled: bool) -> None:
+        self.transformer.grad_checkpointing = enabled
+
+
+class VisionTransformer(TransformerTower):
     """CLIP ViT: patchify -> [CLS] + patches + positions -> ln_pre -> blocks -> ln_post -> proj.
 
     forward(images [B, 3, H, W] float) -> PointSet with L2-normalised points
@@ -237,20 +262,7 @@ class VisionTransformer(nn.Module):
         self.transformer = Transformer(width, layers, heads, mlp_ratio, grad_checkpointing=grad_checkpointing)
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Linear(width, embed_dim, bias=False)
-        self.weight_head = None
-        self.reset_parameters()
-        # Built last, so that the tower's own initialisation does not depend on whether it
-        # has a weight head (same seed -> same points with and without weights).
-        if weights is not None:
-            self.weight_head = PointWeightHead(width, weights, weight_scale)
-
-    @property
-    def grad_checkpointing(self) -> bool:
-        return self.transformer.grad_checkpointing
-
-    @grad_checkpointing.setter
-    def grad_checkpointing(self, enabled: bool) -> None:
-        self.transformer.grad_checkpointing = enabled
+        self.finish_tower(width, weights, weight_scale)
 
     def reset_parameters(self) -> None:
         """Embeddings std 0.02; projection std width**-0.5 as in CLIP (unit-variance outputs)."""
