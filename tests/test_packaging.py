@@ -12,7 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def clean_copy(destination: Path) -> Path:
     """The source tree without build outputs: a wheel built in the checkout itself could pick up
     stale files from an ignored build/ folder and pass although package-data misses them."""
-    ignore = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "runs", "data")
+    anywhere = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "__pycache__")
+    top_only = {"build", "runs", "data", "exports"}  # run outputs at the root; clipkit/data/ is a package
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        ignored = set(anywhere(directory, names))
+        if Path(directory) == ROOT:
+            ignored |= top_only & set(names)
+        return ignored
+
     return Path(shutil.copytree(ROOT, destination, ignore=ignore))
 
 
@@ -33,11 +41,15 @@ def test_wheel_contents(tmp_path):
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     (wheel,) = (tmp_path / "wheel").glob("clipkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "clipkit/plugins/dot.py" in names and "clipkit/plugins/synthetic_shapes.py" in names
+    assert "clipkit/plugins/similarities/dot.py" in names
+    assert "clipkit/plugins/sources/synthetic_shapes.py" in names
+    # every package of the layout (stages and plugin kinds) ships
+    packages = {"data", "train", "train/runtime", "eval", "plugins/encoders", "plugins/evals"}
+    assert {f"clipkit/{package}/__init__.py" for package in packages} <= set(names)
     assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
     # CLIP's BPE vocabulary ships as package data with its (MIT) licence
-    assert "clipkit/plugins/clip_bpe_vocab/bpe_simple_vocab_16e6.txt.gz" in names
-    assert "clipkit/plugins/clip_bpe_vocab/LICENSE.openai-clip.txt" in names
+    assert "clipkit/plugins/tokenizers/clip_bpe_vocab/bpe_simple_vocab_16e6.txt.gz" in names
+    assert "clipkit/plugins/tokenizers/clip_bpe_vocab/LICENSE.openai-clip.txt" in names
     # zero-shot class names / templates (clipkit.plugins.evals.prompts) with their licences
     zeroshot = {"classnames.json", "templates.json", "README.md", "LICENSE.openai-clip.txt"}
     zeroshot |= {"LICENSE.slip.txt", "LICENSE.clip_benchmark.txt", "LICENSE.fashion-mnist.txt"}
