@@ -50,9 +50,10 @@ def register_similarities(register):
 def register_losses(register):
     """Register loss factories: ``factory(**kwargs) -> Loss`` (a callable with ``requires``).
 
-    The host passes ``num_samples`` (dataset size n from the shard manifest) and
-    ``total_steps`` (``train.steps``) when the signature names them, for per-sample state
-    and schedules inside the loss (SogCLR, NUCLR). A loss holding state is an
+    The host passes ``num_samples`` (dataset size n from the shard manifest),
+    ``total_steps`` (``train.steps``) and ``batch_size`` (``data.batch_size``, the global batch)
+    when the signature names them, for per-sample state and schedules inside the loss
+    (SogCLR, NUCLR's epoch-based ζ schedule). A loss holding state is an
     ``nn.Module`` whose buffers are saved in checkpoints.
     """
 

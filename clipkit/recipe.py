@@ -39,7 +39,7 @@ SLOTS = (
     Slot("model.text_encoder", "encoder", frozenset({"embed_dim", "vocab_size", "context_length"})),
     Slot("model.tokenizer", "tokenizer", frozenset()),
     Slot("similarity", "similarity", frozenset({"embed_dim"})),
-    Slot("loss", "loss", frozenset({"num_samples", "total_steps"})),
+    Slot("loss", "loss", frozenset({"num_samples", "total_steps", "batch_size"})),
     Slot("optimizer", "optimizer", frozenset({"named_parameters"})),
     Slot("schedule", "schedule", frozenset({"optimizer", "total_steps"})),
     Slot("data.stream", "stream", frozenset({"batch_size", "seed", "rank", "world_size"})),

@@ -383,3 +383,51 @@ def test_mismatched_dimensions_and_groups_are_rejected():
         similarity(a, random_set(2, 2, 4, weighted=False, masked=False, seed=1))
     with pytest.raises(ValueError, match="groups"):
         similarity.ensemble(a, torch.tensor([0, 1, 1]))
+
+
+# --- zero point weights (issue 15) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "naive"])
+def test_exact_zero_weight_on_a_real_point_has_finite_gradients(implementation):
+    """A softplus weight that underflowed to exactly 0 on an unmasked point: the logits equal those
+    with that point masked out (it contributes nothing), and every gradient is finite — the weight's
+    own is 0, the others equal the masked set's (before the fix log(0)'s 1/w gave NaN)."""
+    a = random_set(3, 3, 5, weighted=True, masked=False, seed=21)
+    b = random_set(4, 2, 5, weighted=True, masked=False, seed=22)
+    weights = a.weights.detach().clone()
+    weights[1, 2] = 0.0
+    zero = PointSet(a.points, weights.requires_grad_(), None)
+    masked_out = PointSet(a.points, weights.clone().requires_grad_(), torch.ones(3, 3, dtype=torch.bool))
+    masked_out.mask[1, 2] = False
+    gamma = torch.tensor(8.0, dtype=torch.float64)
+    upstream = torch.randn(3, 4, generator=torch.Generator().manual_seed(23), dtype=torch.float64)
+
+    got = kme_logits(zero, b, gamma, implementation=implementation)
+    got_grads = torch.autograd.grad((got * upstream).sum(), [zero.points, zero.weights, b.points])
+    expected = kme_logits(masked_out, b, gamma, implementation=implementation)
+    leaves = [a.points, masked_out.weights, b.points]
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), leaves)
+
+    torch.testing.assert_close(got, expected)
+    assert all(torch.isfinite(g).all() for g in got_grads)
+    assert got_grads[1][1, 2] == 0.0
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_zero_weight_gradient_is_finite_in_fp32_through_softplus():
+    """fp32 softplus(−200) is exactly 0: the KME similarity and InfoNCE on top give finite gradients
+    to the pre-activations (NaN before the fix)."""
+    generator = torch.Generator().manual_seed(24)
+    points = torch.nn.functional.normalize(torch.randn(4, 3, 6, generator=generator), dim=-1)
+    raw = torch.randn(4, 3, generator=generator)
+    raw[2, 1] = -200.0
+    raw.requires_grad_()
+    weights = torch.nn.functional.softplus(raw)
+    assert float(weights[2, 1]) == 0.0
+    text = PointSet(torch.nn.functional.normalize(torch.randn(4, 2, 6, generator=generator), dim=-1))
+    logits = KMESimilarity()(PointSet(points.requires_grad_(), weights), text)
+    loss = InfoNCE()(logits, torch.arange(4), LossContext()).loss
+    loss.backward()
+    assert torch.isfinite(raw.grad).all() and torch.isfinite(points.grad).all()

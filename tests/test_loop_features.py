@@ -155,6 +155,7 @@ def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path):
         "model.text_encoder=text_transformer_tiny",
         "loss.freeze_epochs=0",
         "loss.zeta_lr=0.05",
+        "loss.zeta_lr_schedule=constant",  # 6 steps are under one epoch: no epoch schedule
         "train.steps=6",
         "train.checkpoint_every=3",
         "train.keep_checkpoints=3",

@@ -83,7 +83,13 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)
     loss = build_slot(
-        registry, "loss", recipe["loss"], "loss", num_samples=stream.num_samples, total_steps=settings.steps
+        registry,
+        "loss",
+        recipe["loss"],
+        "loss",
+        num_samples=stream.num_samples,
+        total_steps=settings.steps,
+        batch_size=runtime.plan.global_size,  # the global batch (NUCLR's epoch-based ζ schedule)
     )
     check_loss_fits_runtime(loss, model.similarity, runtime)
     optimizer = build_slot(

@@ -18,19 +18,51 @@ loss's ``tau`` set to the same τ. A recipe therefore says::
 (``max_scale`` must not clip 1/τ: dot clamps at 100 by default, i.e. τ ≥ 0.01.) The batch must
 be the full global batch: ``logits.i2t`` and ``logits.t2i`` are [N, N], ``targets`` is the
 diagonal and ``ctx.index`` [N] holds the global index of each pair (distinct within a batch;
-NUCLR's official code computes the full-batch loss on gathered features, METHODS §11).
+NUCLR's official code computes the full-batch loss on gathered features, METHODS §11). Every
+process sees the same gathered batch and indices, so the state stays identical on every rank.
 
+Directions and sides
+--------------------
 Σ_ij = e(o_i, a_j) − e(o_i, a_i) = τ (L_ij − L_ii) for row i's anchor. Direction 0 is
 image→text (rows of ``logits.i2t``: image anchors, text candidates), direction 1 text→image
-(rows of ``logits.t2i``). Each direction has its own u, ζ, ξ; the loss is the sum of both.
-ζ_j of a direction belongs to candidate j, so direction 0's ζ measures the popularity of the
-texts among image anchors. "Image side" in §11's "ζ step size × 0.1 on the image side" is
-taken to be direction 0 (the image-anchored loss); ``zeta_lr_image_scale`` applies to it.
+(rows of ``logits.t2i``: text anchors, image candidates). Each direction has its own u, b, ζ, z,
+ξ; the loss is the sum of both. ζ_j of a direction belongs to *candidate* j, so ``zeta[0]`` is
+the popularity of the texts (the authors' ``zeta_T``) and ``zeta[1]`` the popularity of the
+images (``zeta_I``). The authors' ``eta_I_ratio`` = 0.1 scales the step of ``zeta_I``, i.e.
+direction 1 here (``zeta_lr_image_scale``).
+
+The ζ step: why the official η multiplies n·Ĝ(ζ)
+------------------------------------------------
+Algorithm 1 (the paper) steps ζ_j ← ζ_j − η Ĝ(ζ_j) with the gradient of the 1/n-normalised
+objective, ν = n − 1, a_ij = (Σ_ij − ζ_j)/τ:
+
+    Ĝ(ζ_j) = 1/n − (1/ν)(1/B) Σ_{i∈B} exp(a_ij) / (u_i + exp(−ζ_i/τ)/ν)      (i = j included).
+
+The authors' code (``DGCL_Loss``) keeps a running maximum b_i of Σ_ij and stores
+s_i = Σ_{j≠i} exp((Σ_ij − b_i − ζ_j)/τ) averaged, i.e. s_i = (B−1) u_i exp(−b_i/τ). Its ratio
+w̃_ij = exp((Σ_ij − b_i − ζ_j)/τ) / (s_i/(B−1) + exp(−(ζ_i + b_i)/τ)/ν) therefore equals
+exp(a_ij)/(u_i + exp(−ζ_i/τ)/ν) (the exp(−b_i/τ) cancels), and its per-candidate target
+
+    z*_j = 1 − (n/ν) · mean_{i∈B} w̃_ij = n · Ĝ(ζ_j)
+
+is of order 1, n times the paper's gradient. The code averages it, z_j ← (1−θ) z_j + θ z*_j
+(θ = 0.9; on the first update of sample j, z_j := z*_j), and steps ζ_j ← ζ_j − η_t z_j with
+η = 5e-6. So η_code·z ≈ (n·η_code)·Ĝ(ζ): the paper-scale step size is n·η_code (≈ 13.6 on
+CC3M, n = 2 723 200). The paper's update is this one with θ = 1 and η = η_paper / n, so no
+separate option is needed. (clipkit used to apply η = 5e-6 to Ĝ(ζ) itself: ζ moved ~n times
+slower than in the authors' runs, effectively frozen.)
+
+Schedule (``zeta_lr_schedule="cosine_stepdown"``, the code's): for the batch's epoch e
+(0-based, see :func:`batch_epoch`), nothing before ``freeze_epochs`` (the code's
+``start_epochs``), then η_e = ½ η (1 + cos(π (e − e0)/(E − 1 − e0))), ÷10 for e ≥ ⌊E/2⌋ and
+÷100 for e ≥ ⌊3E/4⌋, E the number of epochs; past epoch E − 1 the cosine stays at 0 (the code
+never runs there).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,23 +73,27 @@ from clipkit.types import Logits, LossContext, LossOutput
 DIRECTIONS = ("i2t", "t2i")
 ZETA_LR_SCHEDULES = ("constant", "cosine_stepdown")
 FIRST_VISITS = ("ema", "set")
+XI_UPDATES = ("epoch", "step")
+OFFSET_RESCALES = ("exact", "code")
 
 
 @dataclass(frozen=True)
 class DirectionStep:
     """One direction's quantities for one batch (all detached, dtype of the computation).
 
-    coef:      [B, B] ∂loss/∂Σ_ij: the Ĝ(w) coefficient of ∇Σ_ij (0 on the diagonal).
-    log_u:     [B] log u_i after the moving-average update (u_{t+1} of Algorithm 1).
-    log_g:     [B] log g_i, the batch estimate (1/(B−1)) Σ_{j≠i} exp((Σ_ij − ζ_j)/τ).
-    zeta_grad: [B] Ĝ(ζ_j) for the batch's candidates, or None (SogCLR: ζ ≡ 0).
-    objective: 0-d minibatch estimate of the eq. 7 objective (see ``objective_estimate``).
+    coef:        [B, B] ∂loss/∂Σ_ij: the Ĝ(w) coefficient of ∇Σ_ij (0 on the diagonal).
+    log_u:       [B] log u_i after the moving-average update (u_{t+1} of Algorithm 1).
+    log_g:       [B] log g_i, the batch estimate (1/(B−1)) Σ_{j≠i} exp((Σ_ij − ζ_j)/τ).
+    b:           [B] running maximum b_i = max(b_i, max_j Σ_ij) after this batch (the code's offset).
+    zeta_target: [B] z*_j = n·Ĝ(ζ_j) for the batch's candidates, or None (SogCLR: ζ ≡ 0).
+    objective:   0-d minibatch estimate of the eq. 7 objective (see ``objective_estimate``).
     """
 
     coef: Tensor
     log_u: Tensor
     log_g: Tensor
-    zeta_grad: Tensor | None
+    b: Tensor
+    zeta_target: Tensor | None
     objective: Tensor
 
 
@@ -94,6 +130,8 @@ def direction_step(
     gamma: float,
     num_samples: int,
     set_first: Tensor | None = None,
+    b: Tensor | None = None,
+    code_rescale: bool = False,
 ) -> DirectionStep:
     """Algorithm 1 steps 4–6 and 8 for one direction (no state is written here).
 
@@ -101,11 +139,15 @@ def direction_step(
     log_u:  [B] log u_i of the anchors before the update.
     zeta:   [B] ζ of the batch's pairs (candidate j's ζ_j; anchor i's own ζ_i), or None for ζ ≡ 0.
     xi:     0-d ξ (positive down-weighting), or None for no positive term (SogCLR).
+    b:      [B] the anchors' running maxima of Σ_ij before the batch (zeros if None).
+    code_rescale: reproduce the official code's rescaling of its stored s by exp(b_old − b_new)
+            where exp((b_old − b_new)/τ) is exact: u_old is multiplied by exp(δ(1/τ − 1)),
+            δ = b_new − b_old ≥ 0, before averaging (METHODS §11, "a quirk, not the paper").
 
     With a_ij = (Σ_ij − ζ_j)/τ = L_ij − L_ii − ζ_j/τ and ν = n − 1:
       g_i          = (1/(B−1)) Σ_{j≠i} exp(a_ij),  u_i ← (1−γ)u_i + γ g_i
       coef_ij      = (1/B)(1/(B−1)) exp(a_ij) / (u_i + exp(−ξ/τ)/ν)          (j ≠ i)
-      Ĝ(ζ_j)       = −(1/ν)(1/B) Σ_{i∈B} exp(a_ij) / (u_i + exp(−ζ_i/τ)/ν) + 1/n
+      z*_j = n Ĝ(ζ_j) = 1 − (n/ν)(1/B) Σ_{i∈B} exp(a_ij) / (u_i + exp(−ζ_i/τ)/ν)
     where the ζ sum includes i = j (Σ_jj = 0, so a_jj = −ζ_j/τ). Every ratio is formed as
     exp(log numerator − log denominator) with the denominators from logaddexp, so the large
     exponents cancel before exponentiation; the ratios are bounded (≤ (B−1)/γ and ≤ ν).
@@ -114,21 +156,26 @@ def direction_step(
     eye = torch.eye(size, dtype=torch.bool, device=logits.device)
     with torch.no_grad():
         margins = logits - logits.diagonal().unsqueeze(1)  # Σ_ij/τ, exactly 0 on the diagonal
+        b_old = torch.zeros_like(log_u) if b is None else b
+        b_new = torch.maximum(b_old, (tau * margins).max(dim=1).values)  # includes Σ_ii = 0
         exponents = margins if zeta is None else margins - (zeta / tau).unsqueeze(0)
         log_g = off_diagonal_log_mean_exp(exponents)
+        if code_rescale:
+            shift = b_new - b_old
+            log_u = log_u + (shift / tau - shift)
         log_u_new = moving_average_log(log_u, log_g, gamma, set_first)
 
         log_nu = math.log(num_samples - 1)
         log_den = log_u_new if xi is None else torch.logaddexp(log_u_new, -xi / tau - log_nu)
         coef = (exponents - log_den.unsqueeze(1)).exp().masked_fill(eye, 0.0) / (size * (size - 1))
 
-        zeta_grad = None
+        zeta_target = None
         if zeta is not None:
             log_den_zeta = torch.logaddexp(log_u_new, -zeta / tau - log_nu)
             log_sum = torch.logsumexp(exponents - log_den_zeta.unsqueeze(1), dim=0)  # over anchors i
-            zeta_grad = 1.0 / num_samples - (log_sum - log_nu - math.log(size)).exp()
+            zeta_target = 1.0 - (log_sum + math.log(num_samples) - log_nu - math.log(size)).exp()
         objective = objective_estimate(log_g, zeta, tau=tau, num_samples=num_samples)
-    return DirectionStep(coef, log_u_new, log_g, zeta_grad, objective)
+    return DirectionStep(coef, log_u_new, log_g, b_new, zeta_target, objective)
 
 
 def objective_estimate(log_g: Tensor, zeta: Tensor | None, *, tau: float, num_samples: int) -> Tensor:
@@ -145,39 +192,64 @@ def objective_estimate(log_g: Tensor, zeta: Tensor | None, *, tau: float, num_sa
     return tau * torch.logaddexp(positive, log_g + math.log(num_samples - 1)).mean()
 
 
-def cosine_stepdown(step: int, total_steps: int) -> float:
-    """Factor of the ζ step size at ``step`` (§11, official NUCLR code): cosine decay to 0 over
-    ``total_steps``, divided by 10 from 50 % of training and by 100 (not 1000) from 75 %."""
-    progress = min(max(step, 0), total_steps) / total_steps
+def batch_epoch(epoch: float) -> int:
+    """The 0-based epoch a batch belongs to, from the host's fractional ``ctx.epoch``.
+
+    The host passes epochs done *including* this batch (stream.epoch + batches·B/n, the batch
+    counted), so an epoch's batches have ctx.epoch in (e, e + 1] and the batch epoch is
+    ⌈ctx.epoch⌉ − 1 (the official code's integer loop variable). 0 for ctx.epoch ≤ 0.
+    """
+    return max(math.ceil(epoch) - 1, 0)
+
+
+def cosine_stepdown(epoch: int, start: int, epochs: int) -> float:
+    """Factor of the ζ step size in epoch ``epoch`` (0-based; official NUCLR code, METHODS §11).
+
+    0 before ``start``; then ½(1 + cos(π (epoch − start)/(epochs − 1 − start))), held at 0 past the
+    last epoch, divided by 10 from epoch ⌊epochs/2⌋ and by 100 from ⌊3·epochs/4⌋. 0 throughout
+    when epochs ≤ start + 1 (too short a run; the constructor warns).
+    """
+    if epoch < start or epochs - 1 - start <= 0:  # the code would divide by 0 at epochs − 1 = start
+        return 0.0
+    progress = min((epoch - start) / (epochs - 1 - start), 1.0)
     factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    if progress >= 0.75:
+    if epoch >= int(epochs * 3 / 4):
         return factor / 100.0
-    if progress >= 0.5:
+    if epoch >= int(epochs / 2):
         return factor / 10.0
     return factor
 
 
 class CompositionalContrastive(nn.Module):
-    """The shared NUCLR/SogCLR machinery (METHODS §6; Appendix G Algorithm 1 of seed 004).
+    """The shared NUCLR/SogCLR machinery (METHODS §6; Appendix G Algorithm 1 of seed 004; §11).
 
-    Per call and per direction d (0 = i2t, 1 = t2i), for the batch's global indices idx:
-      1. u_idx ← (1−γ) u_idx + γ g (u set to g on a first visit when ``first_visit="set"``);
+    Per call and per direction d (0 = i2t, 1 = t2i), for the batch's global indices idx and the
+    batch epoch e (:func:`batch_epoch`):
+      0. (NUCLR, ``xi_update="epoch"``) on the first batch of a new epoch, ξ_d ← max(ξ0, max ζ_d)
+         (the official code refreshes ξ at each epoch's end);
+      1. b_idx ← max(b_idx, max_j Σ_ij); u_idx ← (1−γ) u_idx + γ g (u set to g on a first visit
+         when ``first_visit="set"``; u_old rescaled as the code does when
+         ``offset_rescale="code"``);
       2. the surrogate Σ_i Σ_{j≠i} coef_ij·Σ_ij (coef detached, Σ_ij = τ (L_ij − L_ii)) has
          ∂/∂Σ_ij = coef_ij, so autograd gives Ĝ(w) = Σ_ij coef_ij ∇Σ_ij exactly; with respect to
          the logits ∂/∂L_ij = τ coef_ij (j ≠ i) and ∂/∂L_ii = −τ Σ_{j≠i} coef_ij;
-      3. (NUCLR, once ``ctx.epoch ≥ freeze_epochs``) ζ_idx ← ζ_idx − η_d Ĝ(ζ);
-      4. (NUCLR) ξ_d ← max(ξ0, max ζ_d).
-    Steps 2–3 use the updated u (Algorithm 1 order) and the ζ, ξ from before this call. Every
-    call advances the state, so call it once per optimiser step (no gradient accumulation, §11).
+      3. (NUCLR, once e ≥ ``freeze_epochs``) z_idx ← (1−θ) z_idx + θ z* (z := z* on a sample's
+         first update), ζ_idx ← ζ_idx − η_{d,e} z_idx with z* = n·Ĝ(ζ) (module docstring);
+      4. (NUCLR, ``xi_update="step"``) ξ_d ← max(ξ0, max ζ_d).
+    Steps 2–3 use the updated u and the ζ, ξ from before this call. Every call advances the
+    state, so call it once per optimiser step (no gradient accumulation, §11).
 
     The returned ``loss`` has the *value* of the eq. 7 objective estimate (summed over both
     directions, see :func:`objective_estimate`, plus mean ζ) and the *gradient* of the
     surrogate: loss = objective.detach() + surrogate − surrogate.detach(). The objective is what
-    a user wants to watch (METHODS §6); the official code logs the surrogate instead (§11).
+    a user wants to watch (METHODS §6); the official code logs the surrogate, here the metric
+    ``surrogate`` (§11).
 
-    State (buffers, saved in checkpoints): ``log_u`` [2, n] (log u; −inf = 0, the initial value)
-    and ``visited`` [2, n] bool; NUCLR also ``zeta`` [2, n] and ``xi`` [2]. u is kept in log-space
-    because u ≈ exp((Σ − ζ)/τ) overflows fp32 at τ = 0.01 as soon as Σ − ζ > 0.88.
+    State (buffers, saved in checkpoints; [2, n] rows are directions): ``log_u`` (log u; −inf =
+    0, the initial value), ``visited`` bool, ``b`` (running max of Σ, starts at 0); NUCLR also
+    ``zeta``, ``z``, ``z_visited`` bool, ``xi`` [2] and ``xi_epoch`` (the epoch ξ was last
+    refreshed for). u is kept in log-space because u ≈ exp((Σ − ζ)/τ) overflows fp32 at τ = 0.01
+    as soon as Σ − ζ > 0.88; the code's stored s is (B−1)·u·exp(−b/τ).
     """
 
     requires: frozenset[str] = frozenset({"index", "epoch", "step"})
@@ -192,44 +264,60 @@ class CompositionalContrastive(nn.Module):
         zeta_init: float = 0.0,
         xi_init: float = 0.0,
         zeta_lr: float = 0.0,
+        zeta_momentum: float = 1.0,
         zeta_lr_image_scale: float = 1.0,
-        freeze_epochs: float = 0.0,
-        total_steps: int | None = None,
+        freeze_epochs: float = 0,
+        epochs: int | None = None,
         zeta_lr_schedule: str = "constant",
         first_visit: str = "ema",
+        xi_update: str = "step",
+        offset_rescale: str = "exact",
     ) -> None:
         super().__init__()
         _validate(num_samples, tau, gamma, zeta_init, xi_init, zeta_lr, zeta_lr_image_scale, freeze_epochs)
-        _validate_schedule(total_steps, zeta_lr_schedule, first_visit)
+        _validate_options(zeta_momentum, zeta_lr_schedule, first_visit, xi_update, offset_rescale)
         self.num_samples, self.tau, self.gamma = int(num_samples), float(tau), float(gamma)
         self.learn_popularity = learn_popularity
         self.xi_init = float(xi_init)
-        self.zeta_lr, self.zeta_lr_image_scale = float(zeta_lr), float(zeta_lr_image_scale)
-        self.freeze_epochs, self.total_steps = float(freeze_epochs), total_steps
+        self.zeta_lr, self.zeta_momentum = float(zeta_lr), float(zeta_momentum)
+        self.zeta_lr_image_scale = float(zeta_lr_image_scale)
+        self.freeze_epochs, self.epochs = int(freeze_epochs), epochs
         self.zeta_lr_schedule, self.first_visit = zeta_lr_schedule, first_visit
+        self.xi_update, self.offset_rescale = xi_update, offset_rescale
+        if learn_popularity and zeta_lr_schedule == "cosine_stepdown":
+            _validate_epochs(epochs, self.freeze_epochs)
         self.register_buffer("log_u", torch.full((2, num_samples), -math.inf))
         self.register_buffer("visited", torch.zeros(2, num_samples, dtype=torch.bool))
+        self.register_buffer("b", torch.zeros(2, num_samples))
         if learn_popularity:
             self.register_buffer("zeta", torch.full((2, num_samples), float(zeta_init)))
+            self.register_buffer("z", torch.zeros(2, num_samples))
+            self.register_buffer("z_visited", torch.zeros(2, num_samples, dtype=torch.bool))
             self.register_buffer("xi", torch.full((2,), max(float(xi_init), float(zeta_init))))
+            self.register_buffer("xi_epoch", torch.zeros((), dtype=torch.long))
 
     @property
     def u(self) -> Tensor:
         """[2, n] u = exp(log u) in float64 (for inspection; the state is ``log_u``)."""
         return self.log_u.double().exp()
 
-    def zeta_lr_at(self, step: int) -> float:
-        """The base ζ step size η at optimiser ``step`` (before the image-side scale)."""
+    def zeta_lr_at(self, epoch: int) -> float:
+        """The base ζ step size η in (0-based) ``epoch``, before the image-side scale; 0 while frozen."""
+        if epoch < self.freeze_epochs:
+            return 0.0
         if self.zeta_lr_schedule == "constant":
             return self.zeta_lr
-        return self.zeta_lr * cosine_stepdown(step, self.total_steps)
+        return self.zeta_lr * cosine_stepdown(epoch, self.freeze_epochs, self.epochs)
 
     def forward(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         index = ctx.index
         _validate_batch(logits, targets, index, self.num_samples)
         work = torch.promote_types(logits.i2t.dtype, self.log_u.dtype)
-        update_zeta = self.learn_popularity and float(ctx.epoch) >= self.freeze_epochs
-        base_lr = self.zeta_lr_at(int(ctx.step))
+        epoch = batch_epoch(float(ctx.epoch))
+        if self.learn_popularity and self.xi_update == "epoch":
+            self._refresh_xi(epoch)
+        update_zeta = self.learn_popularity and epoch >= self.freeze_epochs
+        base_lr = self.zeta_lr_at(epoch) if self.learn_popularity else 0.0
         surrogate = logits.i2t.new_zeros(())
         objective = torch.zeros((), dtype=work, device=logits.i2t.device)
         metrics: dict[str, Tensor | float] = {}
@@ -241,11 +329,12 @@ class CompositionalContrastive(nn.Module):
             if self.learn_popularity:
                 direction_objective = direction_objective + self.zeta[d].to(work).mean()
             objective = objective + direction_objective
-            self._write_state(d, index, step, base_lr if update_zeta else 0.0)
+            self._write_state(d, index, step, base_lr if update_zeta else None)
             metrics.update(self._metrics(d, name, index, direction_objective))
         metrics["objective"] = objective
+        metrics["surrogate"] = surrogate.detach()
         if self.learn_popularity:
-            metrics["zeta_lr"] = base_lr if update_zeta else 0.0
+            metrics["zeta_lr"] = base_lr
         loss = objective.to(surrogate.dtype) + surrogate - surrogate.detach()
         return LossOutput(loss, metrics)
 
@@ -263,20 +352,41 @@ class CompositionalContrastive(nn.Module):
             gamma=self.gamma,
             num_samples=self.num_samples,
             set_first=set_first,
+            b=self.b[d, index].to(rows.dtype),
+            code_rescale=self.offset_rescale == "code",
         )
 
     @torch.no_grad()
-    def _write_state(self, d: int, index: Tensor, step: DirectionStep, base_lr: float) -> None:
-        """Write u (always) and ζ, ξ (NUCLR) of direction d; only the batch's coordinates of u, ζ."""
+    def _refresh_xi(self, epoch: int) -> None:
+        """ξ_d ← max(ξ0, max ζ_d) once per new epoch (the official code does it at each epoch's end,
+        i.e. before the next epoch's first batch; ``xi_epoch`` makes it survive a resume)."""
+        if epoch > int(self.xi_epoch):
+            self.xi.copy_(self.zeta.max(dim=1).values.clamp_min(self.xi_init))
+            self.xi_epoch.fill_(epoch)
+
+    @torch.no_grad()
+    def _write_state(self, d: int, index: Tensor, step: DirectionStep, base_lr: float | None) -> None:
+        """Write u, b (always) and z, ζ, ξ (NUCLR) of direction d, on the batch's coordinates.
+
+        base_lr: η of this epoch, or None while ζ is frozen (z is not updated either).
+        """
         self.log_u[d, index] = step.log_u.to(self.log_u.dtype)
         self.visited[d, index] = True
+        self.b[d, index] = step.b.to(self.b.dtype)
         if not self.learn_popularity:
             return
-        lr = base_lr * (self.zeta_lr_image_scale if d == 0 else 1.0)
-        if lr > 0.0:
-            zeta = self.zeta[d, index].to(step.zeta_grad.dtype) - lr * step.zeta_grad
+        if base_lr is not None:
+            first = ~self.z_visited[d, index]
+            target = step.zeta_target
+            old = self.z[d, index].to(target.dtype)
+            z = torch.where(first, target, (1.0 - self.zeta_momentum) * old + self.zeta_momentum * target)
+            self.z[d, index] = z.to(self.z.dtype)
+            self.z_visited[d, index] = True
+            lr = base_lr * (self.zeta_lr_image_scale if d == 1 else 1.0)  # d = 1: ζ of the images
+            zeta = self.zeta[d, index].to(target.dtype) - lr * self.z[d, index].to(target.dtype)
             self.zeta[d, index] = zeta.to(self.zeta.dtype)
-        self.xi[d] = self.zeta[d].max().clamp_min(self.xi_init)
+        if self.xi_update == "step":
+            self.xi[d] = self.zeta[d].max().clamp_min(self.xi_init)
 
     def _metrics(self, d: int, name: str, index: Tensor, objective: Tensor) -> dict[str, Tensor]:
         out = {
@@ -285,6 +395,7 @@ class CompositionalContrastive(nn.Module):
         }
         if self.learn_popularity:
             out[f"zeta_mean_{name}"] = self.zeta[d].mean()
+            out[f"zeta_std_{name}"] = self.zeta[d].double().std(correction=0)  # the spread over all n
             out[f"xi_{name}"] = self.xi[d].clone()
         return out
 
@@ -292,24 +403,36 @@ class CompositionalContrastive(nn.Module):
 class NUCLRLoss(CompositionalContrastive):
     """NUCLR (METHODS §6; seed 004 §2.3, Appendix G Algorithm 1, Appendix H; §11 code notes).
 
+    The defaults are the authors' CC3M run (``DGCL_Loss`` and ``run_nuclr_cc3m_dist.slurm``).
+
     num_samples:         n, the dataset size (passed by the host from the shard manifest).
     tau:                 τ; the similarity must be ``dot`` with fixed scale 1/τ (module docstring).
     gamma:               γ of the moving average u (0.8).
     zeta_init:           ζ0 (−0.05 on CC3M and in the official code, 0 on CC12M).
-    xi_init:             ξ0, must exceed ζ0 (Algorithm 1; official code 0). The defaults are the
-                         official code's ζ0 = −0.05, ξ0 = 0: a recipe with ζ0 = 0 must raise ξ0.
-    zeta_lr:             η, the ζ step size (official code 5e-6).
-    zeta_lr_image_scale: factor on η for direction 0, the image-anchored side (§11: 0.1).
-    freeze_epochs:       ζ is updated only once ``ctx.epoch ≥ freeze_epochs`` (5).
-    total_steps:         training length for ``zeta_lr_schedule="cosine_stepdown"``.
-    zeta_lr_schedule:    "constant" (the paper) or "cosine_stepdown" (§11: cosine decay, then
-                         ÷10 from 50 % and ÷100 from 75 % of ``total_steps``).
-    first_visit:         "ema" (the paper: u starts at 0 and is averaged) or "set" (official
-                         code: u_i ← g_i on a sample's first visit).
+    xi_init:             ξ0, must exceed ζ0 (Algorithm 1; official code 0). A recipe with ζ0 = 0
+                         must raise ξ0.
+    zeta_lr:             η (code 5e-6), the step on z ≈ n·Ĝ(ζ): ζ ← ζ − η z (module docstring).
+    zeta_momentum:       θ of z ← (1−θ) z + θ n·Ĝ(ζ) (code 0.9; z := n·Ĝ(ζ) on a sample's first
+                         update). The paper's ζ ← ζ − η' Ĝ(ζ) is θ = 1, η = η'/n.
+    zeta_lr_image_scale: factor on η for ζ of the *images* (direction 1, text anchors; the code's
+                         ``eta_I_ratio`` = 0.1).
+    freeze_epochs:       integer; ζ and z are updated only from epoch ``freeze_epochs`` on (code
+                         ``start_epochs`` = 5), epochs counted by :func:`batch_epoch`.
+    epochs:              E for the schedule (the code's ``max_epoch``). None: derived from the
+                         host as round(total_steps · batch_size / n).
+    total_steps, batch_size: host arguments (train.steps, data.batch_size, the global batch).
+    zeta_lr_schedule:    "cosine_stepdown" (code: :func:`cosine_stepdown` over epochs from
+                         ``freeze_epochs``) or "constant" (the paper).
+    first_visit:         "set" (code: u_i ← g_i on a sample's first visit) or "ema" (paper: u
+                         starts at 0 and is averaged).
+    xi_update:           "epoch" (code: ξ refreshed once per epoch) or "step" (Algorithm 1).
+    offset_rescale:      "exact" (u is the moving average of g) or "code" (reproduces the
+                         official rescaling of the stored u, which omits a 1/τ; METHODS §11).
 
     Metrics: ``objective`` (eq. 7 estimate, both directions; also the loss's value),
-    ``objective_{d}``, ``zeta_mean_{d}`` (over all n), ``xi_{d}``, ``u_mean_{d}`` (over the
-    batch, after the update), ``zeta_lr`` (the base η applied this step, 0 while frozen).
+    ``surrogate`` (the official code's logged loss), ``objective_{d}``, ``zeta_mean_{d}`` and
+    ``zeta_std_{d}`` (mean and spread over all n), ``xi_{d}``, ``u_mean_{d}`` (over the batch,
+    after the update), ``zeta_lr`` (the base η of this epoch, 0 while frozen).
 
     Hand-derived case (tested): B = 3, n = 5, τ = 0.5, ζ0 = −0.1, row 0 of Σ = (0, −0.8, −0.6):
     g_0 = ½(e^{2(−0.8+0.1)} + e^{2(−0.6+0.1)}) = ½(e^{−1.4} + e^{−1}) ≈ 0.30722.
@@ -323,14 +446,21 @@ class NUCLRLoss(CompositionalContrastive):
         zeta_init: float = -0.05,
         xi_init: float = 0.0,
         zeta_lr: float = 5e-6,
+        zeta_momentum: float = 0.9,
         zeta_lr_image_scale: float = 0.1,
-        freeze_epochs: float = 5.0,
+        freeze_epochs: float = 5,
+        epochs: int | None = None,
         total_steps: int | None = None,
-        zeta_lr_schedule: str = "constant",
-        first_visit: str = "ema",
+        batch_size: int | None = None,
+        zeta_lr_schedule: str = "cosine_stepdown",
+        first_visit: str = "set",
+        xi_update: str = "epoch",
+        offset_rescale: str = "exact",
     ) -> None:
         if not xi_init > zeta_init:
             raise ValueError(f"xi_init (ξ0) must exceed zeta_init (ζ0), got ξ0={xi_init}, ζ0={zeta_init}")
+        if epochs is None and zeta_lr_schedule == "cosine_stepdown":
+            epochs = derived_epochs(total_steps, batch_size, num_samples)
         super().__init__(
             num_samples,
             tau,
@@ -339,11 +469,14 @@ class NUCLRLoss(CompositionalContrastive):
             zeta_init=zeta_init,
             xi_init=xi_init,
             zeta_lr=zeta_lr,
+            zeta_momentum=zeta_momentum,
             zeta_lr_image_scale=zeta_lr_image_scale,
             freeze_epochs=freeze_epochs,
-            total_steps=total_steps,
+            epochs=epochs,
             zeta_lr_schedule=zeta_lr_schedule,
             first_visit=first_visit,
+            xi_update=xi_update,
+            offset_rescale=offset_rescale,
         )
 
 
@@ -351,15 +484,25 @@ class SogCLRLoss(CompositionalContrastive):
     """SogCLR (METHODS §6 baseline; Yuan et al. 2022): NUCLR with ζ ≡ 0 and no ξ term.
 
     Model weights exp(Σ_ij/τ)/u_i, u the γ-moving average of g_i = (1/(B−1)) Σ_{j≠i} exp(Σ_ij/τ).
-    No ζ/ξ state is stored. §11: LibAUC's code uses γ = 0.9 and τ = 0.01.
+    No ζ/ξ state is stored. Defaults are LibAUC's code (§11): γ = 0.9, τ = 0.01.
 
     Metrics: ``objective`` = eq. 7 at ζ ≡ 0, i.e. τ × the global (all-n-candidates) InfoNCE
     estimate mean_i τ log(1 + (n−1) g_i), summed over directions (also the loss's value);
-    ``objective_{d}`` and ``u_mean_{d}`` per direction.
+    ``surrogate``; ``objective_{d}`` and ``u_mean_{d}`` per direction.
     """
 
-    def __init__(self, num_samples: int, tau: float = 0.1, gamma: float = 0.9) -> None:
+    def __init__(self, num_samples: int, tau: float = 0.01, gamma: float = 0.9) -> None:
         super().__init__(num_samples, tau, gamma, learn_popularity=False)
+
+
+def derived_epochs(total_steps: int | None, batch_size: int | None, num_samples: int) -> int:
+    """E = round(total_steps · batch_size / n), the run's length in epochs (CC3M recipe: 30)."""
+    if total_steps is None or batch_size is None:
+        raise ValueError(
+            "zeta_lr_schedule='cosine_stepdown' needs the number of epochs: pass epochs, or "
+            "total_steps and batch_size (the training host passes both)"
+        )
+    return max(round(total_steps * batch_size / num_samples), 1)
 
 
 def _validate(
@@ -382,19 +525,36 @@ def _validate(
         raise ValueError(f"zeta_init must be finite and xi_init a number, got {zeta_init}, {xi_init}")
     if not zeta_lr >= 0 or not zeta_lr_image_scale >= 0:
         raise ValueError(f"zeta_lr and zeta_lr_image_scale must be ≥ 0, got {zeta_lr}, {zeta_lr_image_scale}")
-    if not freeze_epochs >= 0:
-        raise ValueError(f"freeze_epochs must be ≥ 0, got {freeze_epochs}")
+    if not (freeze_epochs >= 0 and float(freeze_epochs).is_integer()):
+        raise ValueError(f"freeze_epochs must be a whole number of epochs ≥ 0, got {freeze_epochs}")
 
 
-def _validate_schedule(total_steps: int | None, zeta_lr_schedule: str, first_visit: str) -> None:
-    if zeta_lr_schedule not in ZETA_LR_SCHEDULES:
-        raise ValueError(f"zeta_lr_schedule must be one of {ZETA_LR_SCHEDULES}, got {zeta_lr_schedule!r}")
-    if first_visit not in FIRST_VISITS:
-        raise ValueError(f"first_visit must be one of {FIRST_VISITS}, got {first_visit!r}")
-    if total_steps is not None and total_steps < 1:
-        raise ValueError(f"total_steps must be ≥ 1, got {total_steps}")
-    if zeta_lr_schedule == "cosine_stepdown" and total_steps is None:
-        raise ValueError("zeta_lr_schedule='cosine_stepdown' needs total_steps")
+def _validate_options(
+    zeta_momentum: float, zeta_lr_schedule: str, first_visit: str, xi_update: str, offset_rescale: str
+) -> None:
+    if not 0 < zeta_momentum <= 1:
+        raise ValueError(f"zeta_momentum (θ) must be in (0, 1], got {zeta_momentum}")
+    for name, value, allowed in (
+        ("zeta_lr_schedule", zeta_lr_schedule, ZETA_LR_SCHEDULES),
+        ("first_visit", first_visit, FIRST_VISITS),
+        ("xi_update", xi_update, XI_UPDATES),
+        ("offset_rescale", offset_rescale, OFFSET_RESCALES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _validate_epochs(epochs: int | None, freeze_epochs: int) -> None:
+    if epochs is None or int(epochs) != epochs:
+        raise ValueError(f"zeta_lr_schedule='cosine_stepdown' needs an integer epochs, got {epochs!r}")
+    if epochs - 1 - freeze_epochs < 1:  # a smoke run, say; not an error, but never silent
+        warnings.warn(
+            f"nuclr: ζ will not move in this run: zeta_lr_schedule='cosine_stepdown' decays over epochs "
+            f"freeze_epochs..epochs−1 and needs epochs ≥ freeze_epochs + 2, got epochs={epochs}, "
+            f"freeze_epochs={freeze_epochs} (set loss.epochs, lower loss.freeze_epochs, or use "
+            "loss.zeta_lr_schedule=constant)",
+            stacklevel=4,
+        )
 
 
 def _validate_batch(logits: Logits, targets: Tensor, index: Tensor, num_samples: int) -> None:

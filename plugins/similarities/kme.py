@@ -47,7 +47,10 @@ def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:
     −inf on masked points.
 
     The masked weights are replaced by 1 *before* the log (a zero or garbage weight under the
-    mask must not send a NaN gradient back through ``log``).
+    mask must not send a NaN gradient back through ``log``). An exact zero weight on a real point
+    (softplus underflows to 0 in fp32 below about −104) gets log w = −inf with a zero gradient:
+    the point contributes nothing, and ``log``'s 1/w = inf times the zero upstream gradient would
+    be NaN. Zero is also what the fp32 chain through softplus gives there (sigmoid(−104) ≈ 0).
     """
     if x.weight_normalization != "sum":
         # log w needs w > 0; "count" weights (the WPSE authors' scaled tanh) may be negative.
@@ -60,7 +63,8 @@ def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:
         weights = x.weights.to(dtype)
         if mask is not None:
             weights = torch.where(mask, weights, torch.ones_like(weights))
-        logw = weights.log()
+        zero = weights == 0
+        logw = torch.where(zero, torch.ones_like(weights), weights).log().masked_fill(zero, float("-inf"))
     else:
         count = x.points.new_full((x.batch_size, 1), float(x.num_points), dtype=dtype)
         if mask is not None:

@@ -38,7 +38,13 @@ CASES = [  # (loss, gather_with_grad, local_loss, micro-batch size: 0 = the proc
 LOSSES = {
     "infonce": {"name": "infonce"},
     "siglip": {"name": "siglip"},
-    "nuclr": {"name": "nuclr", "tau": 0.07, "freeze_epochs": 0.0, "zeta_lr": 0.01},
+    "nuclr": {
+        "name": "nuclr",
+        "tau": 0.07,
+        "freeze_epochs": 0.0,
+        "zeta_lr": 0.01,
+        "zeta_lr_schedule": "constant",
+    },
 }
 
 
