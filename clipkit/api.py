@@ -77,6 +77,40 @@ def shard(
     )
 
 
+def shard_split(
+    source: str,
+    out: Path,
+    split: str,
+    *,
+    options: dict | None = None,
+    registry: Registry | None = None,
+    **settings: Any,
+) -> dict[str, dict]:
+    """``split`` = "NAME=FRACTION": write ``out``/train and ``out``/NAME, the samples outside and
+    inside the held-out split of ``source`` (the rule of ``clipkit train --data --holdout``, see
+    :mod:`clipkit.own_data`). ``settings`` as :func:`shard`. Returns {part: manifest}."""
+    from clipkit.data.shard import open_source
+    from clipkit.data.shard_writer import write_shards
+    from clipkit.own_data import SplitPart, parse_split
+
+    name, fraction = parse_split(split)
+    registry = registry or default_registry()
+    manifests = {}
+    for part, held_out in (("train", False), (name, True)):
+        opened = SplitPart(open_source(source, options, pm=registry.pm), fraction, held_out, part)
+        manifests[part] = write_shards(
+            opened,
+            Path(out) / part,
+            source=source,
+            info=opened.info(),
+            samples_per_shard=settings.get("samples_per_shard", 1000),
+            max_shard_bytes=settings.get("max_shard_bytes"),
+            settings={**(options or {}), "split": split, "part": part},
+            progress=settings.get("progress"),
+        )
+    return manifests
+
+
 def verify(directory: Path) -> dict:
     """Check a shard set against its manifest: ``{"n", "shards", "problems"}`` (empty = intact)."""
     from clipkit.data.shard import verify_shards

@@ -46,6 +46,13 @@ def shard_command(
         bool, typer.Option(help="Stop at the first bad row, naming it, instead of skipping and counting it")
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check a shard directory against its manifest")] = False,
+    split: Annotated[
+        str,
+        typer.Option(
+            help="NAME=FRACTION, e.g. val=0.05: write OUT/train and OUT/NAME (by a hash of each "
+            "sample's key, the split `clipkit train --data` holds out)"
+        ),
+    ] = None,
 ):
     """Turn a data source into WebDataset shards with a manifest (global index per sample).
 
@@ -61,6 +68,17 @@ def shard_command(
     options = dict(parse_pairs(option or []))
     if strict:
         options["strict"] = "true"
+    if split is not None:
+        with step_progress("sharding", total=None) as report:
+            manifests = api.shard_split(
+                source, out, split, options=options, registry=registry(), samples_per_shard=samples_per_shard,
+                max_shard_bytes=max_shard_size, progress=report,
+            )  # fmt: skip
+        for part, manifest in manifests.items():
+            shards = len(manifest["shards"])
+            typer.echo(f"{part}: wrote {manifest['n']} samples in {shards} shard(s) to {out / part}")
+        print_image_counts(next(iter(manifests.values())))
+        return
     with step_progress("sharding", total=None) as report:
         manifest = api.shard(
             source,
@@ -76,6 +94,18 @@ def shard_command(
     if skipped:
         reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
         typer.echo(f"skipped {sum(skipped.values())} bad row(s): {reasons}")
+    print_image_counts(manifest)
+
+
+def print_image_counts(manifest: dict) -> None:
+    """One line about images with transparency: flattened now, or when loaded."""
+    info = manifest.get("info") or {}
+    alpha, flattened = info.get("alpha_images", 0), info.get("alpha_flattened", 0)
+    if flattened:
+        typer.echo(f"{flattened} image(s) with transparency composited onto {info.get('background')} (PNG)")
+    elif alpha:
+        typer.echo(f"{alpha} image(s) with transparency: composited onto data.background (default white) "
+                   "when loaded; -o background=COLOUR does it now")  # fmt: skip
 
 
 def verify_command(directory: Path) -> None:
@@ -97,10 +127,36 @@ def train_command(
     resume: Annotated[
         bool, typer.Option(help="Continue the run in --run-dir from its newest checkpoint")
     ] = False,
+    data: Annotated[
+        str, typer.Option(help="Train on these shards or table (sharded first); evaluate on a held-out part")
+    ] = None,
+    holdout: Annotated[
+        float, typer.Option(help="Fraction of --data held out of training for evaluation (by key hash)")
+    ] = 0.05,
+    label: Annotated[
+        str, typer.Option(help="Column of --data with a class: adds zero-shot over its values")
+    ] = None,
+    eval_data: Annotated[
+        list[str], typer.Option(help="More data to evaluate on (retrieval; zero-shot with --label)")
+    ] = None,
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate."""
     from clipkit import api
     from clipkit.train.runtime import launched_as_main
+
+    if data is not None or eval_data or label is not None:
+        if resume:
+            raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
+        from clipkit.own_data import own_data_overrides
+
+        recipe_eval = api.resolve(recipe, overrides or [], registry()).get("eval")
+        extra, notes = own_data_overrides(
+            data, holdout=holdout, label=label, eval_data=eval_data, recipe_eval=recipe_eval
+        )
+        overrides = extra + list(overrides or [])
+        if launched_as_main():
+            for note in notes:
+                typer.echo(note)
 
     with step_progress("training", total=None, enabled=launched_as_main()) as report:
         result = api.train(
@@ -161,6 +217,18 @@ def eval_command(
     report = api.evaluate(export_dir, tasks, registry=registry(), output=output, plots=plots)
     print_evals(report["results"], report.get("summary"))
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
+    raise_if_failed(report["results"])
+
+
+def raise_if_failed(results: list[dict]) -> None:
+    """A non-zero exit (after the report is written) when any eval task failed, naming each."""
+    from clipkit.eval.evaluate import failed_tasks
+    from clipkit.eval.report import task_label
+
+    failed = failed_tasks(results)
+    if failed:
+        reasons = "; ".join(f"{task_label(r)}: {r['failed']}" for r in failed)
+        raise ClipkitError(f"{len(failed)} of {len(results)} eval task(s) failed: {reasons}")
 
 
 def read_tasks_file(path: Path) -> list[dict]:
@@ -266,7 +334,10 @@ def validate_command(
     if show:
         from omegaconf import OmegaConf
 
+        from clipkit.own_data import knob_lines
+
         typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        typer.echo("\n".join(knob_lines(resolved)))
     typer.echo(f"{resolved['name']}: ok")
 
 
@@ -337,16 +408,20 @@ def print_summary(result) -> None:
 
         print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
+        raise_if_failed(result.evals)
 
 
 def print_evals(results: list[dict], summary: dict | None = None) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from clipkit.eval.report import metric_rows, task_label
 
     table = Table("task", "metric", "value")  # the task label names its data; the JSON has the full URI
     for result in results:
-        task = task_label(result)
+        task = escape(task_label(result))  # labels hold [split]s, which rich would read as markup
+        if result.get("failed"):
+            table.add_row(task, "[red]failed[/red]", escape(result["failed"]))
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once
@@ -378,6 +453,9 @@ def make_app(pm=None) -> typer.Typer:
 
 
 def main() -> None:
+    from clipkit.quiet import route_third_party_warnings
+
+    route_third_party_warnings()  # third-party warnings go to the debug log (CLIPKIT_DEBUG=1 shows them)
     try:
         app = make_app()
     except ClipkitError as error:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
 from clipkit.recipe import SLOTS, section
 from clipkit.registry import Registry
@@ -103,7 +104,8 @@ def batched_input_size(recipe: dict) -> int:
 def build_transform(recipe: dict, *, train: bool) -> ImageTransform:
     """The recipe's preprocessing; without ``train`` only the deterministic eval path."""
     model, data = section(recipe, "model"), section(recipe, "data")
-    common = {"image_size": model.image_size, "mean": tuple(model.mean), "std": tuple(model.std)}
+    common = {"image_size": model.image_size, "mean": tuple(model.mean), "std": tuple(model.std),
+              "background": parse_background(data.background, "data.background")}  # fmt: skip
     if not train:
         return ImageTransform(**common)
     return ImageTransform(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from clipkit.errors import RecipeError, UnknownNameError, choice_error, close_matches
+from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, choice_error, close_matches
 from clipkit.registry import Registry
 from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
 
@@ -57,7 +57,7 @@ class DataConfig:
     source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
     stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
     batch_size: int = 128
-    num_workers: int = 0
+    num_workers: int | str = "auto"  # loader processes; auto: from the usable CPUs (clipkit.machine)
     shuffle_buffer: int = 1000
     resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling
     crop_scale: tuple = (1.0, 1.0)  # random-resized-crop area range for training images
@@ -73,6 +73,12 @@ class DataConfig:
     # crop/flip/normalise run as one tensor op per batch on the training device (no colour ops).
     augment: str = "sample"
     batched_input_size: int = 0
+    # Colour transparent pixels are composited onto when images are decoded: white, black, grey,
+    # "#rrggbb" or [r, g, b] (clipkit.data.image_modes; docs/data.md "Colour modes").
+    background: str | list = "white"
+    # Fraction of samples (by a hash of their key) left out of training for evaluation; set by
+    # `clipkit train --data` (--holdout), see clipkit.own_data.
+    holdout: float = 0.0
 
 
 @dataclass
@@ -109,6 +115,7 @@ class TrainConfig:
     grad_checkpointing: bool = False  # recompute encoder activations in backward (every encoder's switch)
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" with a message, or "skip" the step
     compile: str = "none"  # torch.compile the towers: none | default | reduce-overhead | max-autotune
+    threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
     distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
 
 
@@ -409,6 +416,8 @@ def _check_values(recipe: dict) -> list[str]:
         errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
     if isinstance(data, dict):
         errors += _check_augment(data)
+        errors += _check_background(data)
+    errors += _check_machine(data, train)
     if isinstance(train, dict):
         errors += _check_train(train)
     for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
@@ -457,6 +466,30 @@ def _check_augment(data: dict) -> list[str]:
             "data.augment: batched augmentation does crop, flip and normalise only; "
             "color_jitter/grayscale need augment: sample"
         ]
+    return []
+
+
+def _check_machine(data: Any, train: Any) -> list[str]:
+    from clipkit.machine import check
+
+    problems = []
+    if isinstance(data, dict):
+        problems.append(check(data.get("num_workers", "auto"), "data.num_workers", 0))
+        holdout = data.get("holdout", 0.0)
+        if isinstance(holdout, (int, float)) and not 0 <= holdout < 1:
+            problems.append(f"data.holdout: must be in [0, 1), got {holdout}")
+    if isinstance(train, dict):
+        problems.append(check(train.get("threads", "auto"), "train.threads", 1))
+    return [problem for problem in problems if problem]
+
+
+def _check_background(data: dict) -> list[str]:
+    from clipkit.data.image_modes import parse_background
+
+    try:
+        parse_background(data.get("background", "white"), "data.background")
+    except ClipkitError as error:
+        return [str(error)]
     return []
 
 

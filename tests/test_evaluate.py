@@ -121,7 +121,8 @@ def test_zero_shot_prompt_precedence():
     info = {"labels": {"label": {"classes": ["a", "b"], "templates": ["a {}"]}}}
     assert ZeroShot("x").prompts(info) == (["a", "b"], ["a {}"])
     assert ZeroShot("x", classnames=["c"], templates=["t {}"]).prompts(info) == (["c"], ["t {}"])
-    with pytest.raises(DataError, match="no class names for label 'colour'"):
+    # No class list anywhere: the label's distinct values in the data are the classes.
+    with pytest.raises(DataError, match="no sample has meta-data 'colour'"):
         ZeroShot("x", label="colour").prompts(info)
     # A standard dataset's shipped names and CLIP's per-dataset templates beat the source's own.
     classes, templates = ZeroShot("x", dataset="cifar10").prompts(info)
@@ -157,7 +158,7 @@ def test_summary_averages_over_datasets():
 
 def test_markdown_table_folds_std_and_chance():
     text = markdown_table({**_report(), "summary": summarize(_report()["results"])})
-    assert "| zero_shot cifar10 | top1 | 0.5000 ± 0.1000 (5.0× chance) |" in text
+    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5.0× chance) |" in text
     assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× chance) |" in text
     assert "| zero_shot_top1_mean | 0.4000 |" in text
     assert "top1_std" not in text and "chance |" not in text
@@ -210,17 +211,20 @@ def test_eval_during_training_logs_the_export_eval(evaluated_run):
     records = read_metrics(result.run_dir / "metrics.jsonl")
     during = [r for r in records if any(k.startswith("eval/") for k in r)]
     assert [r["step"] for r in during] == [2]  # every 2 steps, the final step is the export's eval
-    assert 0 <= during[0]["eval/zero_shot shapes:colour/top1"] <= 1
-    assert "eval/retrieval shapes/mean_recall" in during[0]
+    assert 0 <= during[0]["eval/zero_shot shapes[heldout]:colour/top1"] <= 1
+    assert "eval/retrieval shapes[heldout]/mean_recall" in during[0]
 
 
 def test_short_data_names():
-    assert short_data_name("synthetic://shapes?split=heldout&n=64") == "shapes"
-    assert short_data_name("classes:/data/cifar10/test/") == "test"
-    assert short_data_name("idx:../mnist/t10k-images-idx3-ubyte.gz") == "mnist"
-    assert short_data_name("/data/coco-mini/captions.jsonl") == "coco-mini"
+    # Each names the data file (with its folder) and the split: never the folder alone (issue 17).
+    assert short_data_name("synthetic://shapes?split=heldout&n=64") == "shapes[heldout]"
+    assert short_data_name("classes:/data/cifar10/test/") == "cifar10/test"
+    assert short_data_name("idx:../mnist/t10k-images-idx3-ubyte.gz") == "mnist/t10k-images-idx3-ubyte.gz"
+    assert short_data_name("/data/coco-mini/captions.jsonl") == "coco-mini/captions.jsonl"
+    assert short_data_name("/data/coco-mini/val.jsonl") == "coco-mini/val.jsonl"
     assert short_data_name("captions.jsonl") == "captions.jsonl"
-    assert short_data_name("shards/coco") == "coco"
+    assert short_data_name("shards/coco") == "shards/coco"
+    assert short_data_name("holdout:/x/data/pets-1a2b?fraction=0.05") == "data/pets-1a2b[held-out 5%]"
 
 
 def test_eval_during_training_does_not_change_training(evaluated_run, tmp_path):

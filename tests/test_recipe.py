@@ -66,7 +66,7 @@ def test_all_errors_are_reported_with_key_paths(registry):
     assert "optimizer.lr: expected float, got str 'fast'" in joined
     assert "optimizer.momentum: unknown key for optimizer 'adamw'" in joined
     assert "model.image_encoder.embed_dim: set by clipkit" in joined
-    assert "train.stpes: unknown key; did you mean steps?" in joined
+    assert "train.stpes: unknown key; did you mean steps" in joined
     assert "train.precision: must be one of" in joined
     assert "data.batch_size: must be > 0" in joined
     assert "similarity.init_scale: expected float, got bool True" in joined

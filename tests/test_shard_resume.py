@@ -111,12 +111,15 @@ def test_interrupted_table_source_resumes_from_its_position(tmp_path, table, wor
     journal = json.loads((tmp_path / "shards.partial" / "journal.json").read_text())
     # 3 shards of 7 were finished: rows 0-26, i.e. 21 samples and 6 missing images (rows 0, 5, ..., 25).
     position = {"consumed": 27, "yielded": 21, "skipped": {"missing_image": 6}}
-    assert journal["state"]["source_state"] == position
+    state = journal["state"]["source_state"]
+    assert {key: state[key] for key in position} == position
+    assert state["images"]["modes"] == {"RGB": 21}  # image counts resume too
     # Resume with another thread count and download timeout: they change speed, not the shards.
     manifest = api.shard(str(table), out, samples_per_shard=7, options={"workers": "2", "timeout": "30"})
     assert verify_shards(out)["problems"] == []
     assert manifest["n"] == reference["n"] == 45
     assert manifest["info"]["skipped"] == reference["info"]["skipped"] == {"missing_image": 12}
+    assert manifest["info"]["image_modes"] == reference["info"]["image_modes"] == {"RGB": 45}
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in reference["shards"]]
 
 

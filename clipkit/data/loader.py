@@ -15,11 +15,16 @@ Instead each epoch is planned from the manifest's per-shard counts, identically 
 Every global index therefore appears at most once per epoch, and exactly once when N is a
 multiple of W·B (otherwise fewer than W·B samples, different ones each epoch, wait for the next).
 A resumed run skips the batches it already consumed before decoding them.
+
+With ``holdout`` > 0 (``data.holdout``, set by ``clipkit train --data``) the samples of the held-out
+split (:func:`clipkit.own_data.is_held_out` of each sample's key) are dropped as the tars are read,
+and every count above is of the samples kept (counted once, from the tars' json members).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,16 +77,47 @@ class EpochPlan:
         return cls(tuple(segments), (total // world_size) // batch_size)
 
 
-def read_segments(segments) -> Iterator[dict[str, Any]]:
-    """Raw WebDataset records (bytes per field) of each segment, in order."""
+def read_segments(segments, holdout: float = 0.0) -> Iterator[dict[str, Any]]:
+    """Raw WebDataset records (bytes per field) of each segment, in order; with ``holdout``, the
+    positions count the kept samples only (the held-out ones are skipped before slicing)."""
     import webdataset as wds
 
     for segment in segments:
         records = wds.tarfile_to_samples()(iter([{"url": segment.url}]))
+        kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         try:
-            yield from itertools.islice(records, segment.start, segment.stop)
+            yield from itertools.islice(kept, segment.start, segment.stop)
         finally:
             records.close()  # stop reading the tar (and close it) past the segment
+
+
+def record_key(json_bytes: bytes, fallback: str) -> str:
+    """The source key stored in a record's json (the key the held-out split hashes)."""
+    try:
+        return str(json.loads(json_bytes).get("key", fallback))
+    except (ValueError, AttributeError):
+        return fallback
+
+
+def record_held_out(record: dict[str, Any], holdout: float) -> bool:
+    from clipkit.own_data import is_held_out
+
+    return is_held_out(record_key(record.get("json", b"{}"), record.get("__key__", "")), holdout)
+
+
+def kept_count(url: str, holdout: float) -> int:
+    """Samples of one tar outside the held-out split (reads only the json members)."""
+    import tarfile
+
+    from clipkit.own_data import is_held_out
+
+    kept = 0
+    with tarfile.open(url) as tar:
+        for member in tar:
+            name, _, field = member.name.partition(".")
+            if member.isfile() and field == "json":
+                kept += not is_held_out(record_key(tar.extractfile(member).read(), name), holdout)
+    return kept
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -101,17 +137,19 @@ class EpochDataset(torch.utils.data.IterableDataset):
         views,
         meta_keys=None,
         rank=0,
+        holdout=0.0,
     ):
         self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
         self.shuffle_buffer, self.views = shuffle_buffer, views
         self.meta_keys = dict(meta_keys or {})
+        self.holdout = holdout
 
     def record_batches(self) -> Iterator[list[dict[str, Any]]]:
         """The rank's batches of raw records, in order (identical in every worker)."""
         import webdataset as wds
 
-        records = read_segments(self.plan.segments)
+        records = read_segments(self.plan.segments, self.holdout)
         if self.shuffle_buffer > 1:
             # One stream per rank (every worker computes the same); the trailing ":0" keeps the seed
             # string of the earlier per-worker loader, so single-process order is unchanged.
@@ -177,8 +215,9 @@ class BatchStream:
     """Endless batches over epochs; ``position`` is saved in checkpoints for exact resume.
 
     ``rank``/``world_size`` are this process's place in the launch (the trainer passes the
-    runtime's; the loader never asks torch.distributed itself); ``resampled``
-    draws each epoch's shards with replacement (the WebDataset "resampled" mode, but seeded).
+    runtime's; the loader never asks torch.distributed itself); ``resampled`` draws each epoch's
+    shards with replacement (the WebDataset "resampled" mode, but seeded); ``holdout`` leaves
+    the held-out split out (see the module docs).
     """
 
     def __init__(
@@ -196,10 +235,14 @@ class BatchStream:
         resampled=False,
         rank=0,
         world_size=1,
+        holdout=0.0,
     ):
         manifest = read_manifest(shards)
         self.shards = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
-        self.num_samples = int(manifest["n"])
+        self.holdout = float(holdout)
+        if self.holdout > 0:
+            self.shards = [(url, kept_count(url, self.holdout)) for url, _ in self.shards]
+        self.num_samples = sum(count for _, count in self.shards)
         self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
         self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
         self.views, self.resampled = views, resampled
@@ -254,5 +297,6 @@ class BatchStream:
             views=self.views,
             meta_keys=self.meta_keys,
             rank=self.rank,
+            holdout=self.holdout,
         )
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from clipkit.errors import DataError
+from clipkit.data.image_modes import WHITE, exif_orientation, oriented_size, to_rgb
 
 BICUBIC = 3  # PIL.Image.BICUBIC, without importing PIL at module import
 
@@ -43,6 +44,7 @@ class ImageTransform:
                   brightness, contrast, saturation by up to 0.8·s and hue by up to 0.2·s,
                   in random order (Chen et al. 2020, appendix A).
     grayscale:    probability of converting to grey (SimCLR: 0.2).
+    background:   (r, g, b) transparent pixels are composited onto (:mod:`clipkit.data.image_modes`).
     """
 
     image_size: int
@@ -53,6 +55,7 @@ class ImageTransform:
     hflip: bool = False
     color_jitter: float = 0.0
     grayscale: float = 0.0
+    background: tuple[int, int, int] = WHITE
 
     def __post_init__(self) -> None:
         low, high = self.crop_scale
@@ -70,7 +73,7 @@ class ImageTransform:
     def __call__(self, image, rng: random.Random) -> torch.Tensor:
         """PIL image (any mode) -> [3, S, S] float32, normalised by mean/std (PIL resampling: the
         reference path; :func:`decode_transformed` is the loader's faster path from bytes)."""
-        image = image.convert("RGB")
+        image = to_rgb(image, self.background)  # upright, transparency flattened
         view = self.plan(image.size, rng)
         image = image.resize(view.resized, BICUBIC, box=view.box)
         if view.crop is not None:
@@ -116,11 +119,12 @@ class ResizedUInt8:
     ``data.augment: batched``, where the random crop, flip and normalisation run on the device."""
 
     size: int
+    background: tuple[int, int, int] = WHITE
 
     def __call__(self, image, rng: random.Random) -> torch.Tensor:
         import numpy as np
 
-        image = resize_center_crop(image.convert("RGB"), self.size)
+        image = resize_center_crop(to_rgb(image, self.background), self.size)
         return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
 
     def plan(self, size: tuple[int, int], rng: random.Random) -> ViewPlan:
@@ -286,17 +290,20 @@ def decode_transformed(
     if len(rngs) != len(views):
         raise ValueError(f"{len(views)} transforms but {len(rngs)} random generators")
     image = open_image(data, where)
-    plans = [view.plan(image.size, view_rng) for view, view_rng in zip(views, rngs, strict=True)]
+    # Planned on the image as shown (EXIF orientation applied), read from the header before decoding.
+    orientation, shown = exif_orientation(image), oriented_size(image)
+    background = getattr(views[0], "background", WHITE)
+    plans = [view.plan(shown, view_rng) for view, view_rng in zip(views, rngs, strict=True)]
     factor = min((draft_factor(plan) for plan in plans), default=1) if draft else 1
     # PIL picks the largest power of 2 <= min(width // w, height // h): exactly ``factor`` here.
     # Formats other than JPEG ignore it (None).
     if factor > 1 and image.draft(None, (image.width // factor, image.height // factor)):
-        image = decoded(image, where)
+        image = decoded(image, where, background, orientation)
         return [
             view.from_uint8(render_drafted(image, plan, factor))
             for view, plan in zip(views, plans, strict=True)
         ]
-    pixels = as_tensor(decoded(image, where))
+    pixels = as_tensor(decoded(image, where, background, orientation))
     return [view.from_uint8(render(pixels, plan)) for view, plan in zip(views, plans, strict=True)]
 
 
@@ -310,11 +317,12 @@ def open_image(data: bytes, where: str):
         raise DataError(f"{where}: cannot decode image ({error})") from error
 
 
-def decoded(image, where: str):
-    """The pixels of an opened PIL image, decoded, as an RGB PIL image."""
+def decoded(image, where: str, background=WHITE, orientation: int = 1):
+    """The pixels of an opened PIL image, decoded, as an upright RGB PIL image (transparency
+    composited onto ``background``, 16-bit scaled, ``orientation`` applied: :func:`to_rgb`)."""
     try:
         image.load()
-        return image if image.mode == "RGB" else image.convert("RGB")  # convert would copy an RGB image
+        return to_rgb(image, background, orientation)  # an upright RGB image is returned as is
     except Exception as error:  # truncated or corrupt data: OSError, SyntaxError, ValueError, ...
         raise DataError(f"{where}: cannot decode image ({error})") from error
 

@@ -134,14 +134,28 @@ def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> 
 
 
 def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry: Registry) -> list[dict]:
-    """Build each eval task by registered name and run it on ``model``."""
+    """Build each eval task by registered name and run it on ``model``.
+
+    A task that fails (bad data, an unknown label, ...) does not stop the others: its result is
+    ``{"name", "data", "label", "failed": message}`` (see :func:`failed_tasks`).
+    """
     results = []
     model.eval()
     for i, config in enumerate(tasks):
-        task = build_slot(registry, "eval", config, f"eval.{i}")
-        result = task(model, registry)
-        results.append({"name": config["name"], **result})
+        try:
+            task = build_slot(registry, "eval", config, f"eval.{i}")
+            result = {"name": config["name"], **task(model, registry)}
+        except Exception as error:  # noqa: BLE001 — reported in the suite's results, never lost
+            message = str(error) if isinstance(error, ClipkitError) else f"{type(error).__name__}: {error}"
+            described = {k: config[k] for k in ("data", "label", "dataset") if config.get(k) is not None}
+            result = {"name": config.get("name", "?"), **described, "failed": message}
+        results.append(result)
     return results
+
+
+def failed_tasks(results: Iterable[dict]) -> list[dict]:
+    """The results of tasks that failed (they carry ``failed``: the error message)."""
+    return [result for result in results if result.get("failed")]
 
 
 def evaluate_export(export_dir: Path, tasks: list[dict] | None, registry: Registry) -> dict[str, Any]:

@@ -46,20 +46,41 @@ def summarize(results: Sequence[dict]) -> dict[str, Any]:
 
 
 def short_data_name(data: str) -> str:
-    """A data URI's short name: ``synthetic://shapes?n=8`` -> shapes, ``classes:/x/cifar10`` ->
-    cifar10; a file (a table, idx images) is named by its folder: ``coco/captions.jsonl`` -> coco."""
-    data = data.split("?", 1)[0].rstrip("/")
-    if "://" in data:
-        data = data.split("://", 1)[1]
-    path = Path(data.split(":", 1)[-1] if ":" in data else data)
-    if path.suffix and path.parent.name:
-        return path.parent.name
-    return path.name or data
+    """A data URI's name in reports: its file (or folder) with the folder holding it, and its split.
+
+    ``/x/coco/captions.jsonl`` -> ``coco/captions.jsonl`` (two tables in one folder differ),
+    ``classes:/x/cifar10/test/`` -> ``cifar10/test``, ``synthetic://shapes?split=heldout&n=8`` ->
+    ``shapes[heldout]``, ``holdout:/x/data/pets-1a2b?fraction=0.05`` -> ``data/pets-1a2b[held-out 5%]``.
+    """
+    from urllib.parse import parse_qsl
+
+    if data.startswith("holdout:"):
+        inner, _, query = data[len("holdout:") :].rpartition("?")
+        params = dict(parse_qsl(query))
+        try:
+            share = f"{float(params.get('fraction', 0)) * 100:g}%"
+        except ValueError:
+            share = params.get("fraction", "?")
+        part = "held-out" if params.get("part", "holdout") == "holdout" else "not held-out"
+        return f"{short_data_name(inner)}[{part} {share}]"
+    path_text, _, query = data.partition("?")
+    split = dict(parse_qsl(query)).get("split")
+    if "://" in path_text:
+        path_text = path_text.split("://", 1)[1]
+    elif ":" in path_text:
+        path_text = path_text.split(":", 1)[1]
+    parts = [part for part in Path(path_text.rstrip("/")).parts if part not in ("/", ".", "..")]
+    name = "/".join(parts[-2:]) or data
+    return f"{name}[{split}]" if split else name
 
 
 def task_label(result: dict) -> str:
-    """A short name for one result row: task, dataset or data, and label."""
-    where = result.get("dataset") or short_data_name(str(result.get("data", "")))
+    """A short name for one result row: task, data (file and split; with the standard ``dataset``
+    named first when there is one), and label."""
+    where = short_data_name(str(result.get("data", "")))
+    dataset = result.get("dataset")
+    if dataset:
+        where = dataset if not result.get("data") else f"{dataset} {where}"
     label = f":{result['label']}" if result.get("label") not in (None, "label") else ""
     return f"{result.get('name', '?')} {where}{label}".strip()
 
@@ -99,6 +120,8 @@ def markdown_table(report: dict) -> str:
     ]
     for result in report.get("results", []):
         name = task_label(result)
+        if result.get("failed"):
+            lines.append(f"| {name} | **failed** | {result['failed']} |")
         for metric, value in metric_rows(result):
             lines.append(f"| {name} | {metric} | {value} |")
             name = ""

@@ -19,6 +19,8 @@ from clipkit.data.loader import BatchStream
 from clipkit.data.shard_writer import ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError
+from clipkit.machine import apply as apply_machine_fit
+from clipkit.machine import fit_to_machine
 from clipkit.model import batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import distributed_config, save_recipe, section
 from clipkit.registry import Registry
@@ -133,25 +135,28 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
 def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
     """This process's batches: a registered stream (``data.stream``) or the recipe's shards (made
     from ``data.source`` first when missing)."""
-    data, seed = section(recipe, "data"), int(recipe.get("seed", 0))
-    place = {"seed": seed, "rank": runtime.rank, "world_size": runtime.world_size}
+    data, settings = section(recipe, "data"), section(recipe, "train")
+    place = {"seed": int(recipe.get("seed", 0)), "rank": runtime.rank, "world_size": runtime.world_size}
+    machine = fit_to_machine(data.num_workers, settings.threads)  # auto: from the CPUs this process may use
+    apply_machine_fit(machine, announce=runtime.is_main)
     if data.stream is not None:
-        return build_slot(
-            registry, "stream", data.stream, "data.stream", batch_size=runtime.plan.local_size, **place
-        )
+        batch_size = runtime.plan.local_size
+        return build_slot(registry, "stream", data.stream, "data.stream", batch_size=batch_size, **place)
     shards = ensure_shards_once(runtime, data, registry)
     two_view, batched = model.pair == "two_view", data.augment == "batched"
-    transform = ResizedUInt8(batched_input_size(recipe)) if batched else build_transform(recipe, train=True)
+    transform = build_transform(recipe, train=True)
+    transform = ResizedUInt8(batched_input_size(recipe), transform.background) if batched else transform
     return BatchStream(
         shards,
         batch_size=runtime.plan.local_size,
         transform=transform,
         tokenizer=model.tokenizer,
-        num_workers=data.num_workers,
+        num_workers=machine.workers,
         shuffle_buffer=data.shuffle_buffer,
         resampled=data.resampled,
         views=2 if two_view and not batched else 1,  # batched: both views are made on the device
         meta_keys=dict(data.meta_keys),
+        holdout=data.holdout,  # clipkit train --data: the held-out split is evaluated, never trained on
         **place,
     )
 

@@ -4,13 +4,17 @@ Each class's prompts (templates × class name) are encoded and merged by the mod
 similarity's own ``ensemble`` rule (CLIP: mean of unit vectors, renormalised; WPSE: mean of
 the features; KME: union of the weighted point sets), so the same code scores every
 similarity. Class names and templates come, in this order of precedence, from the task's
-``classnames`` / ``templates``, from a named standard ``dataset`` (CIFAR-10, ImageNet, ...,
-shipped with clipkit: :mod:`clipkit.plugins.evals.prompts`), or from the source's own label set
-(``info()["labels"][label]``, e.g. a ``classes:`` folder). For a random-feature similarity
+``classnames`` / ``classnames_file`` / ``templates``, from a named standard ``dataset`` (CIFAR-10,
+ImageNet, ..., shipped with clipkit: :mod:`clipkit.plugins.evals.prompts`), from the source's own label set
+(``info()["labels"][label]``, e.g. a ``classes:`` folder), or else from the label's distinct
+values in the data (any labelled table works with no class list). ``prompt_map`` turns a label
+value into the text put in the prompts (``{"n02085620": "chihuahua"}``). For a random-feature similarity
 (WPSE) the scores are repeated over several feature seeds and reported as mean ± std.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -34,9 +38,13 @@ class ZeroShot:
     dataset:       a standard dataset's class names and templates
                    (``clipkit.plugins.evals.prompts.dataset_names()``).
     classnames:    explicit class names (override ``dataset`` and the source's).
-    templates:     a list of ``{}`` templates, or a style name for ``dataset``: "clip" (CLIP's
-                   per-dataset prompts), "clip80" / "clip7" (CLIP's 80 / 7 ImageNet templates),
-                   "slip" (SLIP's per-dataset templates), "clip_benchmark".
+    classnames_file: a text file with one class name per line (label i = line i), for lists too
+                   long for a command line.
+    prompt_map:    label value -> the text used in prompts, a mapping or a JSON / YAML file of one
+                   (values it lacks are used as they are).
+    templates:     a list of ``{}`` templates, a text file of them (one per line), or a style name
+                   for ``dataset``: "clip" (CLIP's per-dataset prompts), "clip80" / "clip7" (CLIP's
+                   80 / 7 ImageNet templates), "slip" (SLIP's per-dataset templates), "clip_benchmark".
     feature_seeds: how many random-feature draws to average (default 5 for WPSE, 1 otherwise).
     """
 
@@ -46,6 +54,8 @@ class ZeroShot:
         label: str = "label",
         dataset: str | None = None,
         classnames: list | None = None,
+        classnames_file: str | None = None,
+        prompt_map: dict | str | None = None,
         templates: list | str | None = None,
         feature_seeds: int | None = None,
         limit: int | None = None,
@@ -54,12 +64,14 @@ class ZeroShot:
         self.data, self.label, self.limit, self.batch_size = data, label, limit, batch_size
         self.dataset, self.classnames, self.templates = dataset, classnames, templates
         self.feature_seeds = feature_seeds
+        self.classnames_file, self.prompt_map = classnames_file, prompt_map
+        self.from_values = False  # class names taken from the label's values (matched by value)
 
     def __call__(self, model, registry) -> dict:
         samples, info = load_samples(self.data, self.limit, registry=registry)
-        classnames, templates = self.prompts(info)
+        classnames, templates = self.prompts(info, samples)
         labels = torch.tensor([self.class_index(s, classnames) for s in samples])
-        class_points = self.class_points(model, classnames, templates)
+        class_points = self.class_points(model, self.prompt_names(classnames), templates)
         images = encode_images(model, samples, self.batch_size)
         seeds = feature_seeds(model, self.feature_seeds)
         runs = [
@@ -85,15 +97,40 @@ class ZeroShot:
             scores["top5"] = topk_accuracy(logits, labels, 5)
         return scores
 
-    def prompts(self, info: dict) -> tuple[list[str], list[str]]:
-        """(class names, templates) by precedence: task arguments, ``dataset``, the source's labels."""
+    def prompts(self, info: dict, samples=()) -> tuple[list[str], list[str]]:
+        """(class names, templates) by precedence: task arguments, ``dataset``, the source's labels,
+        the label's distinct values in ``samples``."""
         described = (info.get("labels") or {}).get(self.label) or {}
-        classnames = list(self.classnames or self.dataset_classnames() or described.get("classes") or [])
+        given = self.classnames or self.file_classnames() or self.dataset_classnames()
+        classnames = list(given or described.get("classes") or [])
         if not classnames:
-            raise DataError(
-                f"{self.data}: no class names for label {self.label!r}; pass classnames=[...] or dataset=NAME"
-            )
+            # A split of a larger set (holdout:) reports the values of the whole set: every class.
+            whole = (info.get("label_values") or {}).get(self.label)
+            classnames, self.from_values = self.label_values(samples, whole), True
         return classnames, self.resolve_templates(described)
+
+    def label_values(self, samples, whole: list | None = None) -> list:
+        """The label's distinct values in ``samples`` (and ``whole``), sorted: numbers, then text."""
+        values = ({s.meta.get(self.label) for s in samples} | set(whole or [])) - {None}
+        if not values:
+            present = sorted(k for k in (samples[0].meta if samples else {}) if k != "index")
+            raise DataError(f"{self.data}: no sample has meta-data {self.label!r} (its columns: {present})")
+        return sorted(values, key=lambda v: (isinstance(v, str), 0 if isinstance(v, str) else v, str(v)))
+
+    def file_classnames(self) -> list[str] | None:
+        if self.classnames_file is None:
+            return None
+        lines = read_text(self.classnames_file, "classnames_file").splitlines()
+        names = [line.strip() for line in lines if line.strip()]
+        if not names:
+            raise DataError(f"{self.classnames_file}: classnames_file holds no class names")
+        return names
+
+    def prompt_names(self, classnames: list) -> list[str]:
+        """The text of each class in prompts: ``prompt_map[value]`` where given, else the name itself."""
+        mapping = read_mapping(self.prompt_map) if isinstance(self.prompt_map, str) else self.prompt_map
+        mapping = {str(k): str(v) for k, v in (mapping or {}).items()}
+        return [mapping.get(str(name), str(name)) for name in classnames]
 
     def dataset_classnames(self) -> list[str] | None:
         if self.dataset is None:
@@ -103,6 +140,8 @@ class ZeroShot:
         return prompts.classnames(self.dataset)
 
     def resolve_templates(self, described: dict) -> list[str]:
+        if isinstance(self.templates, str) and Path(self.templates).is_file():
+            return read_templates(self.templates)
         if isinstance(self.templates, str):
             from clipkit.plugins.evals import prompts
 
@@ -121,14 +160,49 @@ class ZeroShot:
         groups = torch.arange(len(classnames)).repeat_interleave(len(templates))
         return model.similarity.ensemble(encode_texts(model, texts, self.batch_size), groups)
 
-    def class_index(self, sample, classnames: list[str]) -> int:
+    def class_index(self, sample, classnames: list) -> int:
         value = sample.meta.get(self.label)
         if value is None:
             raise DataError(f"{self.data}: sample {sample.key!r} has no meta-data {self.label!r}")
+        if self.from_values:
+            return classnames.index(value)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(classnames):
             return value
         if value not in classnames:
+            shown = ", ".join(map(repr, classnames[:20]))
+            if len(classnames) > 20:
+                shown += f", ... ({len(classnames)} in all)"
             raise DataError(
-                f"{self.data}: sample {sample.key!r} has {self.label}={value!r}, not a known class"
+                f"{self.data}: sample {sample.key!r} has {self.label}={value!r}, not a known class; "
+                f"the classes are {shown} (or their indices 0-{len(classnames) - 1})"
             )
         return classnames.index(value)
+
+
+def read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"{option}: cannot read {path} ({error})") from None
+
+
+def read_templates(path: str) -> list[str]:
+    """A text file of templates, one per line, each with one ``{}`` for the class name."""
+    templates = [line.strip() for line in read_text(path, "templates").splitlines() if line.strip()]
+    missing = [t for t in templates if "{}" not in t]
+    if not templates or missing:
+        raise DataError(f"templates: {path}: every line needs a {{}} for the class name; got {missing[:3]}")
+    return templates
+
+
+def read_mapping(path: str) -> dict:
+    """A JSON or YAML file holding one mapping (``prompt_map=FILE``)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(read_text(path, "prompt_map"))  # YAML reads JSON too
+    except yaml.YAMLError as error:
+        raise DataError(f"prompt_map: {path} is neither JSON nor YAML ({error})") from None
+    if not isinstance(loaded, dict):
+        raise DataError(f"prompt_map: {path} must hold a mapping label value -> prompt text")
+    return loaded

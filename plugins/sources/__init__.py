@@ -18,8 +18,12 @@ def open_source(uri, options):
     from clipkit.data.shard import MANIFEST, ShardSource
     from clipkit.plugins.sources.dataset_sources import open_dataset_source
     from clipkit.plugins.sources.file_sources import open_file_source
+    from clipkit.plugins.sources.holdout_source import open_holdout_source
     from clipkit.plugins.sources.synthetic_shapes import parse_synthetic_uri
 
+    held_out = open_holdout_source(uri, options)  # holdout:DATA?fraction=F (clipkit train --data)
+    if held_out is not None:
+        return held_out
     synthetic = parse_synthetic_uri(uri)
     if synthetic is not None:
         return synthetic

@@ -66,6 +66,7 @@ def common_options(options: dict[str, Any]) -> dict[str, Any]:
         "strict": truthy(options.get("strict", False)),
         "workers": positive_int(options, "workers", 1),
         "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
+        "background": options.get("background") or None,
     }
 
 
@@ -247,9 +248,15 @@ class FileSource(abc.ABC):
         strict: bool = False,
         workers: int = 1,
         max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
+        background: Any = None,
     ) -> None:
+        from clipkit.data.image_modes import parse_background
+
         self.path = Path(path)
         self.strict = strict
+        # Option ``background``: images with transparency are composited onto it and stored as PNG.
+        self.background = None if background is None else parse_background(background, "option background")
+        self.image_counts = ImageCounts()
         self.max_caption_chars = int(max_caption_chars)
         if int(workers) < 1:
             raise DataError(f"{self.path}: workers must be >= 1, got {workers}")
@@ -271,6 +278,7 @@ class FileSource(abc.ABC):
         self.consumed = int(resume.get("consumed", 0))
         self.yielded = int(resume.get("yielded", 0))
         self.skipped = dict(resume.get("skipped", {}))
+        self.image_counts = ImageCounts.from_state(resume.get("images"))
         self.complete = False
         remaining = itertools.islice(self.candidates(), self.consumed, None)
         for where, outcome in ordered_map(attempt, remaining, self.workers):
@@ -282,12 +290,13 @@ class FileSource(abc.ABC):
                 self.skipped[outcome.reason] = self.skipped.get(outcome.reason, 0) + 1
                 continue
             self.yielded += 1
-            yield outcome
+            yield self.image_counts.normalise(outcome, self.background)
         self.complete = True
 
     def state(self) -> dict[str, Any]:
         """Where iteration stands: candidates consumed, samples yielded, skips by reason (JSON-able)."""
-        return {"consumed": self.consumed, "yielded": self.yielded, "skipped": dict(self.skipped)}
+        return {"consumed": self.consumed, "yielded": self.yielded, "skipped": dict(self.skipped),
+                "images": self.image_counts.state()}  # fmt: skip
 
     def restore(self, state: dict[str, Any]) -> None:
         """Make the next iteration continue after ``state`` (from :meth:`state`) without rebuilding
@@ -304,9 +313,66 @@ class FileSource(abc.ABC):
         """Name and path; after a full iteration also ``n`` (samples yielded) and ``skipped``."""
         info: dict[str, Any] = {"name": self.name, "path": str(self.path)}
         if self.complete:
-            info.update(n=self.yielded, skipped=dict(sorted(self.skipped.items())))
+            info.update(
+                n=self.yielded, skipped=dict(sorted(self.skipped.items())), **self.image_counts.info()
+            )
+        if self.background is not None:
+            info["background"] = list(self.background)
         return info
 
 
 def is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
+
+
+class ImageCounts:
+    """What the stored images are (counted for the manifest), and shard-time flattening.
+
+    ``modes``: PIL mode -> images; ``alpha_images``: images with transparency (the loader composites
+    them onto ``data.background``); ``alpha_flattened``: those composited at shard time (option
+    ``background``) and stored as PNG; ``exif_rotated``: images with an EXIF orientation other than
+    upright (turned by the loader, or when flattened).
+    """
+
+    def __init__(self) -> None:
+        self.modes: dict[str, int] = {}
+        self.alpha_images = self.alpha_flattened = self.exif_rotated = 0
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> ImageCounts:
+        counts = cls()
+        state = state or {}
+        counts.modes = dict(state.get("modes", {}))
+        counts.alpha_images = int(state.get("alpha_images", 0))
+        counts.alpha_flattened = int(state.get("alpha_flattened", 0))
+        counts.exif_rotated = int(state.get("exif_rotated", 0))
+        return counts
+
+    def state(self) -> dict[str, Any]:
+        return {"modes": dict(self.modes), "alpha_images": self.alpha_images,
+                "alpha_flattened": self.alpha_flattened, "exif_rotated": self.exif_rotated}  # fmt: skip
+
+    def info(self) -> dict[str, Any]:
+        """The manifest's counts (``info.image_modes``, ``info.alpha_images``, ...)."""
+        state = self.state()
+        state["image_modes"] = dict(sorted(state.pop("modes").items()))
+        return state
+
+    def normalise(self, sample: Sample, background: tuple[int, int, int] | None) -> Sample:
+        """Count ``sample``'s image; with a ``background``, composite an image with transparency
+        onto it (stored as PNG, upright: the re-encoded file carries no EXIF)."""
+        import dataclasses
+
+        from clipkit.data.image_modes import describe, flatten_image_bytes
+
+        facts = describe(sample.image)  # header only: the source already checked the image decodes
+        self.modes[facts["mode"]] = self.modes.get(facts["mode"], 0) + 1
+        self.exif_rotated += facts["orientation"] != 1
+        if not facts["alpha"]:
+            return sample
+        self.alpha_images += 1
+        if background is None:
+            return sample
+        self.alpha_flattened += 1
+        image = flatten_image_bytes(sample.image, background)
+        return dataclasses.replace(sample, image=image, image_ext="png")

@@ -119,10 +119,12 @@ class TableSource(FileSource):
         download: Downloader | None = None,
         resize: int | None = None,
         max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
+        background: Any = None,
     ) -> None:
         from clipkit.data.download import Downloader
 
-        super().__init__(path, strict=strict, workers=workers or 1, max_caption_chars=max_caption_chars)
+        super().__init__(path, strict=strict, workers=workers or 1, max_caption_chars=max_caption_chars,
+                         background=background)  # fmt: skip
         if not self.path.is_file():
             raise DataError(f"{self.path}: table not found")
         self.parquet = self.path.suffix.lower() == ".parquet"

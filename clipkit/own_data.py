@@ -1,0 +1,193 @@
+"""Your own data in one switch: ``clipkit train RECIPE --data SHARDS_OR_TABLE`` as recipe overrides.
+
+:func:`own_data_overrides` turns the command line's data options into ``key=value`` overrides that
+go before the user's own (so an explicit override still wins):
+
+- ``data.shards`` / ``data.source``: a shard directory is read as is; a table (or any other source
+  URI) is sharded first, into ``$CLIPKIT_DATA_DIR/<name>-<hash>`` (default ``data/``);
+- ``data.holdout``: the fraction of samples held out of training (:func:`is_held_out`);
+- ``eval``: retrieval on that held-out split, zero-shot over ``label`` when one is named, and the
+  same on every ``--eval-data``. The recipe's own evaluation (the synthetic shapes) is replaced,
+  since it scores other data than the model was trained on; it is kept only for synthetic data.
+
+The split is a pure function of each sample's key (the source's stable key: a table's row number,
+a file's relative path), so it is the same on every run, every process and every machine, and
+``clipkit shard --split val=0.05`` writes exactly the same split as separate shard sets.
+Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from clipkit.errors import ClipkitError
+
+HOLDOUT_SCHEME = "holdout:"
+#: The default fraction held out of training for evaluation.
+DEFAULT_HOLDOUT = 0.05
+
+
+def split_position(key: str) -> float:
+    """A sample key -> a number in [0, 1) that looks uniform (the first 8 bytes of its SHA-256)."""
+    digest = hashlib.sha256(str(key).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def is_held_out(key: str, fraction: float) -> bool:
+    """Whether the sample with ``key`` belongs to the held-out ``fraction`` (deterministic)."""
+    return fraction > 0 and split_position(key) < fraction
+
+
+def check_fraction(fraction: float, what: str) -> float:
+    fraction = float(fraction)
+    if not 0 <= fraction < 1:
+        raise ClipkitError(f"{what}: the held-out fraction must be in [0, 1), got {fraction}")
+    return fraction
+
+
+def holdout_uri(shards: str, fraction: float) -> str:
+    """The eval-data URI of the held-out split of ``shards``
+    (:mod:`clipkit.plugins.sources.holdout_source`)."""
+    return f"{HOLDOUT_SCHEME}{shards}?fraction={fraction:g}"
+
+
+def is_shard_directory(data: str) -> bool:
+    from clipkit.data.shard import MANIFEST
+
+    return "://" not in data and (Path(data) / MANIFEST).is_file()
+
+
+def is_synthetic(data: str) -> bool:
+    return data.startswith("synthetic://")
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("CLIPKIT_DATA_DIR", "data"))
+
+
+def shards_for(source: str) -> str:
+    """Where the shards of ``source`` go: ``<data dir>/<file stem>-<hash of the source>``, named after
+    the file so a report or a directory listing says which table it came from."""
+    stem = Path(source.split("?", 1)[0]).stem or "source"
+    digest = hashlib.sha1(source.encode("utf-8")).hexdigest()[:8]
+    return str((data_dir() / f"{stem}-{digest}").resolve())
+
+
+def absolute(data: str) -> str:
+    """A local path made absolute (evaluation may run from another directory); URIs with a scheme
+    (``synthetic://``, ``classes:``, ``holdout:``) are kept as given."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", data):
+        return data
+    path, sep, query = data.partition("?")
+    return str(Path(path).resolve()) + sep + query
+
+
+def eval_tasks(data: str, label: str | None) -> list[dict[str, Any]]:
+    """Retrieval on ``data``, and zero-shot over ``label`` when one is named."""
+    tasks: list[dict[str, Any]] = [{"name": "retrieval", "data": data}]
+    if label:
+        tasks.append({"name": "zero_shot", "data": data, "label": label})
+    return tasks
+
+
+def own_data_overrides(
+    data: str | None,
+    *,
+    holdout: float = DEFAULT_HOLDOUT,
+    label: str | None = None,
+    eval_data: list[str] | None = None,
+    recipe_eval: list[dict] | None = None,
+) -> tuple[list[str], list[str]]:
+    """(recipe overrides, notes to print) for ``--data``, ``--holdout``, ``--label``, ``--eval-data``.
+
+    ``recipe_eval``: the recipe's own eval tasks, kept (with ``eval_data`` added) when ``data`` is
+    None or synthetic; replaced by evaluation on the user's data otherwise.
+    """
+    holdout = check_fraction(holdout, "--holdout")
+    extra = [task for item in eval_data or [] for task in eval_tasks(absolute(item), label)]
+    notes = [f"eval: also on {absolute(item)}" for item in eval_data or []]
+    if data is None or is_synthetic(data):
+        if label and not eval_data:
+            raise ClipkitError("--label names a column of your --data or --eval-data; give one of them")
+        overrides = [f"eval={json.dumps(list(recipe_eval or []) + extra)}"] if extra else []
+        if data is not None:
+            overrides += [f"data.source={json.dumps(data)}", f"data.shards={json.dumps(shards_for(data))}"]
+        return overrides, notes
+    data = absolute(data)
+    if is_shard_directory(data):
+        shards, source = data, ""
+        notes.insert(0, f"data: training on the shards in {data}")
+    else:
+        shards, source = shards_for(data), data
+        notes.insert(0, f"data: {data} is sharded (once) into {shards}")
+    tasks = eval_tasks(holdout_uri(shards, holdout), label) if holdout > 0 else []
+    if holdout > 0:
+        notes.insert(1, f"data: {holdout:.1%} of the samples (by key hash) are held out for evaluation")
+    elif not extra:
+        notes.insert(1, "data: --holdout 0 and no --eval-data: the run is not evaluated")
+    overrides = [
+        f"data.shards={json.dumps(shards)}",
+        f"data.source={json.dumps(source)}",
+        f"data.holdout={holdout}",
+        f"eval={json.dumps(tasks + extra)}",
+    ]
+    return overrides, notes
+
+
+def parse_split(text: str) -> tuple[str, float]:
+    """``"val=0.05"`` -> ("val", 0.05): the held-out set's name and fraction (``--split``)."""
+    name, sep, value = text.partition("=")
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not sep or not name.strip() or name.strip() == "train" or not 0 < fraction < 1:
+        raise ClipkitError(f"--split {text!r}: expected NAME=FRACTION with 0 < FRACTION < 1, e.g. val=0.05")
+    return name.strip(), fraction
+
+
+class SplitPart:
+    """The samples of ``source`` in (``held_out``) or out of the held-out ``fraction``, for
+    ``clipkit shard --split``; ``info()`` is the source's plus ``split``."""
+
+    def __init__(self, source, fraction: float, held_out: bool, name: str) -> None:
+        self.source, self.fraction, self.held_out, self.name = source, fraction, held_out, name
+
+    def __iter__(self):
+        for sample in self.source:
+            if is_held_out(sample.key, self.fraction) == self.held_out:
+                yield sample
+
+    def info(self) -> dict[str, Any]:
+        info = dict(self.source.info()) if hasattr(self.source, "info") else {}
+        return {**info, "split": {"part": self.name, "fraction": self.fraction}}
+
+
+#: The settings a user is expected to look at when training on their own data (``validate --show``).
+USER_KNOBS = (
+    ("data.shards", "the training data (set by --data; a table is sharded into it)"),
+    ("data.holdout", "fraction held out of training for evaluation (--holdout)"),
+    ("data.background", "colour transparent pixels are composited onto"),
+    ("data.batch_size", "samples per step over all processes (lower it for a small table)"),
+    ("train.steps", "optimiser steps"),
+    ("model.image_size", "input side in pixels"),
+    ("data.num_workers", "loader processes (auto: from the usable CPUs)"),
+    ("train.threads", "torch threads (auto: from the usable CPUs)"),
+)
+
+
+def knob_lines(recipe: dict) -> list[str]:
+    """``# key: value  — what it is`` for each of :data:`USER_KNOBS` in a resolved recipe."""
+    from clipkit.recipe import section
+
+    lines = ["# the knobs to set for your own data (key=value overrides):"]
+    for key, meaning in USER_KNOBS:
+        part, _, name = key.partition(".")
+        value = getattr(section(recipe, part), name)
+        lines.append(f"#   {key}: {value}  — {meaning}")
+    return lines

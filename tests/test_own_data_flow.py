@@ -1,0 +1,105 @@
+"""Issue 17's done-when: a table of transparent PNG drawings -> `clipkit shard` -> `clipkit train
+clip@tiny --data` -> the default report scores the held-out split of that table (retrieval) and
+zero-shot over its label column, and the pixels the model sees carry the chosen background."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from typer.testing import CliRunner
+
+from clipkit.cli import make_app
+from clipkit.own_data import is_held_out
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+HIDDEN = (200, 0, 200)  # the colour under the transparent pixels: must never reach the model
+
+
+def write_drawings(directory, n: int = 96) -> str:
+    """``n`` circles, alternately red and blue, on fully transparent 48 × 48 canvases."""
+    rows = []
+    for i in range(n):
+        name = list(COLOURS)[i % 2]
+        image = Image.new("RGBA", (48, 48), (*HIDDEN, 0))
+        radius = 10 + i % 7
+        ImageDraw.Draw(image).ellipse(
+            (24 - radius, 24 - radius, 24 + radius, 24 + radius), (*COLOURS[name], 255)
+        )
+        image.save(directory / f"{i}.png")
+        rows.append({"image": f"{i}.png", "caption": f"a {name} circle", "category": name})
+    (directory / "drawings.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return "drawings.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["shard", "load"])
+def test_transparent_drawings_end_to_end(in_tmp, monkeypatch, where):
+    from clipkit.data import loader as data_module
+    from clipkit.model import ContrastiveModel
+
+    seen_images, trained = [], []
+    encode = ContrastiveModel.encode_image
+    monkeypatch.setattr(
+        ContrastiveModel, "encode_image", lambda self, x: seen_images.append(x) or encode(self, x)
+    )
+    collate = data_module.EpochDataset.collate
+
+    def recording_collate(self, records):
+        batch = collate(self, records)
+        trained.extend(batch["index"].tolist())
+        return batch
+
+    monkeypatch.setattr(data_module.EpochDataset, "collate", recording_collate)
+    runner, app = CliRunner(), make_app()
+    table = write_drawings(in_tmp)
+    # The background chosen once: at shard time (stored flattened) or at load time (data.background).
+    shard_args = ["-o", "background=black"] if where == "shard" else []
+    outcome = runner.invoke(app, ["shard", table, "shards", *shard_args])
+    assert outcome.exit_code == 0, outcome.output
+    manifest = json.loads((in_tmp / "shards" / "manifest.json").read_text())
+    assert manifest["info"]["alpha_images"] == 96
+    assert manifest["info"]["alpha_flattened"] == (96 if where == "shard" else 0)
+
+    # A few steps keep the test short; the recipe needs nothing else to run on this table.
+    speed = ["train.steps=2", "data.batch_size=16", "data.num_workers=0"]
+    background = [] if where == "shard" else ["data.background=black"]
+    args = [
+        "train",
+        "clip@tiny",
+        "--data",
+        "shards",
+        "--label",
+        "category",
+        "--run-dir",
+        "run",
+        *speed,
+        *background,
+    ]
+    outcome = runner.invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert "held out for evaluation" in outcome.output
+    report = (in_tmp / "run" / "eval.md").read_text()  # names the data (and split) each eval used
+    assert "| retrieval " in report and "/shards[held-out 5%] |" in report
+    assert "/shards[held-out 5%]:category | top1 |" in report
+
+    results = {r["name"]: r for r in json.loads((in_tmp / "run" / "eval.json").read_text())["results"]}
+    keys = [str(i) for i in range(96)]  # the table source keys rows by number
+    held = [k for k in keys if is_held_out(k, 0.05)]
+    assert 0 < len(held) < 96
+    retrieval, zero_shot = results["retrieval"], results["zero_shot"]
+    assert retrieval["data"].startswith("holdout:") and retrieval["n_images"] == len(held)
+    assert zero_shot["label"] == "category" and zero_shot["num_classes"] == 2 and zero_shot["n"] == len(held)
+    # Held-out rows (shard indices = row numbers here: no row is skipped) never reach training.
+    assert trained and not set(trained) & {int(k) for k in held}
+
+    # Every image the model saw (training and evaluation): black where the drawing is transparent.
+    mean = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(1, 3, 1, 1)
+    std = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(1, 3, 1, 1)
+    pixels = torch.cat(seen_images) * std + mean  # back to [0, 1]
+    corners = pixels[..., :4, :4]
+    assert corners.abs().max() < 0.02  # black, not the hidden magenta
+    centre = pixels[..., 22:26, 22:26].mean(dim=(-1, -2))  # [N, 3]: red or blue, never black
+    assert (centre.max(dim=1).values > 0.6).all()

@@ -1,0 +1,113 @@
+"""Zero-shot on any labelled table: class names from the label's values or a file, a label -> prompt
+map, templates from a file, unknown labels listing the classes, and a suite that survives a failing
+task (report written, non-zero exit)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from clipkit import api
+from clipkit.cli import make_app
+from clipkit.errors import DataError
+from clipkit.plugins.evals.zero_shot import ZeroShot
+from clipkit.types import Sample
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+
+
+def sample(key: str, **meta) -> Sample:
+    return Sample(key=key, image=b"", image_ext="png", captions=("x",), meta=meta)
+
+
+@pytest.fixture
+def table(tmp_path):
+    rows = []
+    for i in range(6):
+        name = list(COLOURS)[i % 3]
+        Image.new("RGB", (24, 24), COLOURS[name]).save(tmp_path / f"{i}.png")
+        rows.append({"image": f"{i}.png", "caption": f"a {name} square", "category": name, "size": i % 2})
+    path = tmp_path / "colours.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def export(tmp_path):
+    from clipkit.export import write_export
+    from clipkit.manager import make_plugin_manager
+    from clipkit.model import build_model
+    from clipkit.registry import Registry
+
+    registry = Registry(make_plugin_manager(autoload=False))
+    recipe = api.resolve("clip@tiny", [], registry)
+    torch.manual_seed(0)
+    write_export(build_model(recipe, registry), recipe, tmp_path / "export", registry)
+    return tmp_path / "export"
+
+
+def test_class_names_default_to_the_label_values():
+    task = ZeroShot("t.jsonl", label="category")
+    samples = [sample("0", category="red"), sample("1", category="blue"), sample("2", category="red")]
+    classes, templates = task.prompts({}, samples)
+    assert classes == ["blue", "red"] and templates == ["{}"]
+    assert [task.class_index(s, classes) for s in samples] == [1, 0, 1]
+    numbers = ZeroShot("t.jsonl", label="size")
+    values = [sample(str(i), size=v) for i, v in enumerate([10, 2, 10])]
+    classes, _ = numbers.prompts({}, values)
+    assert classes == [2, 10] and [numbers.class_index(s, classes) for s in values] == [1, 0, 1]
+
+
+def test_classnames_file_prompt_map_and_templates_file(tmp_path):
+    (tmp_path / "classes.txt").write_text("red\nblue\n\ngreen\n")
+    (tmp_path / "map.json").write_text(json.dumps({"red": "a scarlet thing"}))
+    (tmp_path / "templates.txt").write_text("a drawing of {}.\n{} on paper\n")
+    files = {"classnames_file": "classes.txt", "prompt_map": "map.json", "templates": "templates.txt"}
+    task = ZeroShot("t", label="category", **{key: str(tmp_path / name) for key, name in files.items()})
+    classes, templates = task.prompts({}, [])
+    assert classes == ["red", "blue", "green"]
+    assert templates == ["a drawing of {}.", "{} on paper"]
+    assert task.prompt_names(classes) == ["a scarlet thing", "blue", "green"]
+    assert ZeroShot("t", prompt_map={"blue": "navy"}).prompt_names(["red", "blue"]) == ["red", "navy"]
+    (tmp_path / "bad.txt").write_text("no placeholder\n")
+    with pytest.raises(DataError, match="bad.txt: every line needs a"):
+        ZeroShot("t", templates=str(tmp_path / "bad.txt")).prompts({}, [sample("0", label="a")])
+
+
+def test_unknown_label_lists_the_known_classes():
+    task = ZeroShot("t.jsonl", label="category", classnames=["red", "blue"])
+    with pytest.raises(DataError, match=r"category='pink', not a known class; the classes are 'red', 'blue'"):
+        task.class_index(sample("7", category="pink"), ["red", "blue"])
+
+
+def test_eval_zero_shot_on_a_table_needs_no_class_list(table, export, tmp_path):
+    out = tmp_path / "zs.json"
+    args = ["eval", str(export), "--task", "zero_shot", "--data", str(table), "--label", "category",
+            "--output", str(out), "--no-plots"]  # fmt: skip
+    outcome = CliRunner().invoke(make_app(), args)
+    assert outcome.exit_code == 0, outcome.output
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["num_classes"] == 3 and result["n"] == 6 and result["chance"] == pytest.approx(1 / 3)
+
+
+def test_a_failing_task_does_not_stop_the_suite(table, export, tmp_path):
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(
+        f"- {{name: zero_shot, data: {table}, label: missing_column}}\n"
+        f"- {{name: retrieval, data: {table}}}\n"
+        f"- {{name: zero_shot, data: {table}, label: category, classnames: [red, blue]}}\n"
+    )
+    out = tmp_path / "suite.json"
+    args = ["eval", str(export), "--tasks", str(suite), "--output", str(out), "--no-plots"]
+    outcome = CliRunner().invoke(make_app(), args)
+    assert outcome.exit_code != 0
+    assert "2 of 3 eval task(s) failed" in outcome.output and "missing_column" in outcome.output
+    results = json.loads(out.read_text())["results"]  # written although tasks failed
+    assert [bool(r.get("failed")) for r in results] == [True, False, True]
+    assert "green" in results[2]["failed"] and "the classes are 'red', 'blue'" in results[2]["failed"]
+    assert 0 <= results[1]["mean_recall"] <= 1
+    assert "**failed**" in out.with_suffix(".md").read_text()
