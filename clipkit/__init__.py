@@ -1,3 +1,17 @@
-"""clipkit: contrastive multimodal pretraining research toolkit."""
+"""clipkit: contrastive multimodal pretraining research toolkit.
+
+``model, preprocess, tokenizer = clipkit.load(path)`` loads any model for inference (docs/python.md);
+the command line's functions are in :mod:`clipkit.api`.
+"""
 
 __version__ = "0.1.0"
+#: The name on PyPI (``clipkit`` there is an unrelated phylogenetics tool); the import package
+#: and the command are ``clipkit``.
+DISTRIBUTION = "clipkit-contrastive"
+
+
+def load(path, *, device="cpu", registry=None):
+    """See :func:`clipkit.loading.load` (imported on first use: ``import clipkit`` stays light)."""
+    from clipkit.loading import load as load_model
+
+    return load_model(path, device=device, registry=registry)

@@ -210,6 +210,37 @@ def export(
     return export_run(Path(run_dir), Path(out), registry or default_registry(), checkpoint)
 
 
+CONVERT_LAYOUTS = "clipkit, open_clip, state_dict, hf"
+
+
+def convert(
+    source: Path,
+    out: Path,
+    to: str,
+    *,
+    quick_gelu: bool | None = None,
+    registry: Registry | None = None,
+) -> Path:
+    """Convert a plain CLIP model between layouts; returns ``out``.
+
+    ``source``: a clipkit export, an open_clip directory (``open_clip_config.json`` +
+    ``open_clip_model.safetensors``), an OpenAI/open_clip-layout ``.safetensors`` state dict, or a
+    Hugging Face ``CLIPModel`` directory. ``to``: "clipkit", "open_clip", "state_dict" (a
+    ``.safetensors`` file) or "hf". ``quick_gelu`` says which activation a bare state dict was
+    trained with (None: QuickGELU, as OpenAI's weights). Only safetensors are read, never pickles.
+    """
+    registry = registry or default_registry()
+    options = {"quick_gelu": quick_gelu}
+    written = registry.pm.hook.convert_model(
+        source=Path(source), out=Path(out), layout=to, registry=registry, options=options
+    )
+    if written is None:
+        raise ClipkitError(
+            f"--to {to!r}: no installed plugin writes that layout (built in: {CONVERT_LAYOUTS})"
+        )
+    return written
+
+
 def evaluate(
     export_dir: Path,
     tasks: list[dict] | None,
@@ -218,7 +249,8 @@ def evaluate(
     output: Path | None = None,
     plots: bool = True,
 ) -> dict:
-    """Run eval tasks (default: the export's recipe's) on an export.
+    """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
+    Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
 
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
     (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
@@ -235,13 +267,21 @@ def evaluate(
 
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
     """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an
-    ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots)."""
+    ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots). A directory with
+    an ``eval.json`` but no ``metrics.jsonl`` (an evaluated baseline) joins only the eval table."""
     from clipkit.eval.report import plot_loss_curves, read_eval_reports, write_comparison
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
     out = Path(out)
-    written = [plot_loss_curves(dict(zip(labels, runs, strict=True)), out / "loss.png", metrics or ["loss"])]
+    # A baseline evaluated without training (`clipkit eval` on an open_clip/HF directory) has an
+    # eval.json but no metrics.jsonl: it joins the eval table, not the loss curves.
+    curves = {
+        label: run
+        for label, run in zip(labels, runs, strict=True)
+        if (run / "metrics.jsonl").is_file() or not (run / "eval.json").is_file()
+    }
+    written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
     evals = read_eval_reports(dict(zip(labels, runs, strict=True)))
     if evals:
         written += write_comparison(evals, out / "eval.json")

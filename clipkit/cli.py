@@ -185,9 +185,45 @@ def export_command(
 
 
 @fails_cleanly
+def convert_command(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A clipkit export, open_clip or Hugging Face CLIP directory, "
+            "or an OpenAI-layout .safetensors state dict"
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Argument(help="Where to write (a directory; a .safetensors file for state_dict)")
+    ],
+    to: Annotated[str, typer.Option(help="Target layout: clipkit | open_clip | state_dict | hf")] = "clipkit",
+    quick_gelu: Annotated[
+        bool, typer.Option(help="A bare state dict's activation (default: QuickGELU, OpenAI's)")
+    ] = None,
+):
+    """Convert plain CLIP weights between clipkit, open_clip, OpenAI and Hugging Face layouts."""
+    from clipkit import api
+
+    path = api.convert(source, out, to, quick_gelu=quick_gelu, registry=registry())
+    typer.echo(f"converted {source} to {path} ({to})")
+
+
+def default_eval_output(source: Path) -> Path:
+    """EXPORT/eval.json; for a .safetensors file, FILE-eval/eval.json beside it (a run-like directory
+    `clipkit report` can compare)."""
+    if source.is_file():
+        return source.with_name(f"{source.stem}-eval") / "eval.json"
+    return source / "eval.json"
+
+
+@fails_cleanly
 def eval_command(
     export_dir: Annotated[
-        Path, typer.Argument(help="An export directory (clipkit.json + model.safetensors)")
+        Path,
+        typer.Argument(
+            help="An export directory (clipkit.json + model.safetensors), or an open_clip / Hugging "
+            "Face CLIP directory or OpenAI-layout .safetensors file (converted on the fly)"
+        ),
     ],
     task: Annotated[
         str, typer.Option(help="Eval task name (default: the export's recipe's eval list)")
@@ -213,7 +249,7 @@ def eval_command(
         given = (("data", data), ("label", label), ("dataset", dataset))
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
-    output = output or export_dir / "eval.json"
+    output = output or default_eval_output(export_dir)
     report = api.evaluate(export_dir, tasks, registry=registry(), output=output, plots=plots)
     print_evals(report["results"], report.get("summary"))
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
@@ -293,6 +329,19 @@ def plugins_command(as_json: Annotated[bool, typer.Option("--json", help="Machin
         other = [h for h in row["hooks"] if not h.startswith("register_")]
         table.add_row(row["plugin"], f"{row['distribution']} {row['version']}", registers or ", ".join(other))
     console().print(table)
+    typer.echo(convertible_note())
+
+
+def convertible_note() -> str:
+    """Which plugins `clipkit convert` can hand to open_clip / Hugging Face (docs/interop.md): the
+    interop plugin's own description (its module docstring), read through the plugin manager."""
+    return (
+        "clipkit convert (open_clip / Hugging Face / OpenAI layouts) handles plain CLIP models only: "
+        "encoders vit*, text_transformer*, clip_text (output cls/eos, no weight head), clip_resnet, rn*; "
+        "tokenizer clip_bpe; similarity dot (no bias). "
+        "Other towers, tokenizers and similarities (point sets, weight heads, WPSE, SigLIP's bias, BERT, "
+        "conv nets...) have no plain-CLIP counterpart; Hugging Face CLIPModel has no ResNet image tower."
+    )
 
 
 @fails_cleanly
@@ -436,6 +485,7 @@ def make_app(pm=None) -> typer.Typer:
     app.command("shard")(shard_command)
     app.command("train")(train_command)
     app.command("export")(export_command)
+    app.command("convert")(convert_command)
     app.command("eval")(eval_command)
     app.command("report")(report_command)
     app.command("plugins")(plugins_command)

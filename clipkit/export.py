@@ -127,3 +127,24 @@ def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel,
     model = build_model(recipe, registry)
     load_model(model, str(Path(export_dir) / WEIGHTS), strict=True)
     return model.eval(), metadata
+
+
+def load_model(
+    path: Path, registry: Registry, *, options: dict | None = None
+) -> tuple[ContrastiveModel, dict]:
+    """Any model clipkit reads -> (model in eval mode, export-style metadata): a clipkit export as
+    it is, any other layout through the ``read_model`` hook (the built-in interop plugin reads
+    open_clip and Hugging Face CLIP directories and OpenAI-layout ``.safetensors`` state dicts)."""
+    path = Path(path)
+    if not path.exists():
+        raise ClipkitError(f"{path} does not exist")
+    if (path / METADATA).is_file():
+        return load_export(path, registry)
+    found = registry.pm.hook.read_model(path=path, registry=registry, options=dict(options or {}))
+    if found is None:
+        raise ClipkitError(
+            f"{path} is not a clipkit export ({METADATA} is missing) and no plugin reads it as a model "
+            "(built in: open_clip directories, Hugging Face CLIPModel directories, OpenAI-layout "
+            ".safetensors state dicts)"
+        )
+    return found

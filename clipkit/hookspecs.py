@@ -119,6 +119,22 @@ def open_source(uri, options):
     """
 
 
+@hookspec(firstresult=True)
+def read_model(path, registry, options):
+    """Read a model stored in a layout other than a clipkit export (open_clip, Hugging Face, ...):
+    return ``(model, metadata)`` — a :class:`clipkit.model.ContrastiveModel` in eval mode and
+    export-style metadata (``recipe``, ``plugins``) — or None if ``path`` is not yours. Built-ins
+    are ``trylast``. ``options``: reader options (e.g. ``quick_gelu`` for a bare state dict).
+    Used by ``clipkit eval``, ``clipkit.load``, ``model.init`` and ``clipkit convert``."""
+
+
+@hookspec(firstresult=True)
+def convert_model(source, out, layout, registry, options):
+    """Write the model at ``source`` (an export or any layout a ``read_model`` plugin reads) in
+    ``layout`` at ``out`` and return the written path, or None if ``layout`` is not yours
+    (``clipkit convert --to LAYOUT``). Built-ins are ``trylast``."""
+
+
 @hookspec
 def on_metrics(step, metrics, run):
     """Receive a metrics dict (JSON-serialisable floats) at optimiser step ``step``.

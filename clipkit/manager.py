@@ -21,6 +21,7 @@ BUILTIN_PLUGINS = (
     "clipkit.plugins.loggers",
     "clipkit.plugins.recipes",
     "clipkit.plugins.experiments",
+    "clipkit.plugins.interop",
 )
 
 AUTOLOAD_ENV = "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD"
@@ -63,7 +64,7 @@ def plugin_distribution(pm: pluggy.PluginManager, plugin) -> tuple[str, str]:
             return dist.project_name, dist.version
     name = pm.get_name(plugin) or ""
     if name.startswith("clipkit."):
-        from clipkit import __version__
+        from clipkit import DISTRIBUTION, __version__
 
-        return "clipkit", __version__
+        return DISTRIBUTION, __version__
     return "(not installed)", ""

@@ -64,6 +64,14 @@ class ContrastiveModel(nn.Module):
         self.transform = transform
         self.pair = pair
         self.eval_seed = eval_seed  # fixes random features (WPSE) at evaluation and in exports
+        self.frozen_towers: tuple[str, ...] = ()  # model.frozen (clipkit.init_weights)
+
+    def train(self, mode: bool = True) -> ContrastiveModel:
+        """Locked towers (``model.frozen``) stay in eval mode: no BatchNorm updates, no dropout."""
+        super().train(mode)
+        for name in self.frozen_towers:
+            getattr(self, name).eval()
+        return self
 
     def encode_image(self, images: torch.Tensor) -> PointSet:
         """[B, 3, S, S] -> PointSet [B, M_x, d]."""

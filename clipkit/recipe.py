@@ -95,6 +95,10 @@ class ModelConfig:
     image_encoder: Any = None
     text_encoder: Any = None
     tokenizer: Any = None
+    # Start training from existing weights: a path (clipkit export, open_clip / Hugging Face CLIP
+    # directory, OpenAI-layout .safetensors) or {path, include, exclude, strict} (clipkit/init_weights.py).
+    init: Any = None
+    frozen: tuple = ()  # towers to lock while training: image_encoder and/or text_encoder (LiT)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_plugins_lists_distribution_and_names(app):
     assert result.exit_code == 0, result.output
     rows = {row["plugin"]: row for row in json.loads(result.output)}
     losses = rows["clipkit.plugins.losses"]
-    assert losses["distribution"] == "clipkit" and "infonce" in losses["registers"]["loss"]
+    assert losses["distribution"] == "clipkit-contrastive" and "infonce" in losses["registers"]["loss"]
     assert rows["clipkit.plugins.sources"]["hooks"] == ["open_source"]
     table = runner.invoke(app, ["plugins"])
     assert table.exit_code == 0 and "vit_tiny" in table.output

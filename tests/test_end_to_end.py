@@ -89,7 +89,7 @@ def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
     root, result = smoke_run
     metadata = json.loads((result.export_dir / "clipkit.json").read_text())
     assert metadata["plugins"]["model.image_encoder"]["name"] == "vit_tiny"
-    assert metadata["plugins"]["similarity"]["distribution"] == "clipkit"
+    assert metadata["plugins"]["similarity"]["distribution"] == "clipkit-contrastive"
     assert metadata["tokenizer"]["name"] == "hashed_words"
     assert metadata["preprocessing"]["image_size"] == 48
     assert metadata["recipe"]["name"] == "quickstart@smoke"

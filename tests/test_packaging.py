@@ -39,13 +39,27 @@ def test_wheel_contents(tmp_path):
         str(source),
     ]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = (tmp_path / "wheel").glob("clipkit-*.whl")
+    # The distribution is clipkit-contrastive (PyPI's `clipkit` is another project); the import
+    # package and the command stay `clipkit`.
+    (wheel,) = (tmp_path / "wheel").glob("clipkit_contrastive-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "clipkit/plugins/similarities/dot.py" in names
     assert "clipkit/plugins/sources/synthetic_shapes.py" in names
     # every package of the layout (stages and plugin kinds) ships
-    packages = {"data", "train", "train/runtime", "eval", "plugins/encoders", "plugins/evals"}
+    packages = {
+        "data",
+        "train",
+        "train/runtime",
+        "eval",
+        "plugins/encoders",
+        "plugins/evals",
+        "plugins/interop",
+    }
     assert {f"clipkit/{package}/__init__.py" for package in packages} <= set(names)
+    assert "clipkit/plugins/interop/open_clip.py" in names and "clipkit/plugins/interop/hf.py" in names
+    assert "clipkit/loading.py" in names and "clipkit/init_weights.py" in names
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "Name: clipkit-contrastive" in zipfile.ZipFile(wheel).read(metadata).decode()
     assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
     # CLIP's BPE vocabulary ships as package data with its (MIT) licence
     assert "clipkit/plugins/tokenizers/clip_bpe_vocab/bpe_simple_vocab_16e6.txt.gz" in names

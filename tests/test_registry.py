@@ -67,7 +67,7 @@ def test_builtin_distribution_is_clipkit(registry):
     from clipkit import __version__
 
     plugin = registry.pm.get_plugin("clipkit.plugins.losses")
-    assert plugin_distribution(registry.pm, plugin) == ("clipkit", __version__)
+    assert plugin_distribution(registry.pm, plugin) == ("clipkit-contrastive", __version__)
 
 
 def test_registry_is_read_only(registry):

@@ -159,10 +159,11 @@ def failed_tasks(results: Iterable[dict]) -> list[dict]:
 
 
 def evaluate_export(export_dir: Path, tasks: list[dict] | None, registry: Registry) -> dict[str, Any]:
-    """Load an export and run ``tasks`` (default: the eval section of its recipe)."""
-    from clipkit.export import load_export
+    """Load an export (or any layout a ``read_model`` plugin reads, converted in memory)
+    and run ``tasks`` (default: the eval section of its recipe)."""
+    from clipkit.export import load_model
 
-    model, metadata = load_export(export_dir, registry)
+    model, metadata = load_model(export_dir, registry)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:
         raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")

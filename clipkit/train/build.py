@@ -19,6 +19,7 @@ from clipkit.data.loader import BatchStream
 from clipkit.data.shard_writer import ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError
+from clipkit.init_weights import prepare_model
 from clipkit.machine import apply as apply_machine_fit
 from clipkit.machine import fit_to_machine
 from clipkit.model import batched_input_size, build_model, build_slot, build_transform
@@ -81,6 +82,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         grad_clip=settings.grad_clip,
     )
     model = build_model(recipe, registry)
+    prepare_model(model, recipe, registry, resume=resume)  # model.init, model.frozen (+ output caches)
     stream = build_stream(recipe, runtime, registry, model)
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)

@@ -60,6 +60,7 @@ class TextTransformer(TransformerTower):
         weights: str | None = None,
         weight_scale: float = 1.0,
         grad_checkpointing: bool = False,
+        quick_gelu: bool = False,
     ) -> None:
         super().__init__()
         check_positive(embed_dim=embed_dim, vocab_size=vocab_size, context_length=context_length)
@@ -77,7 +78,13 @@ class TextTransformer(TransformerTower):
         # Causal: padding sits after the real tokens, so real positions never attend to it and
         # no key-padding mask is needed (and no softmax row is ever empty, hence no NaN).
         self.transformer = Transformer(
-            width, layers, heads, mlp_ratio, causal=True, grad_checkpointing=grad_checkpointing
+            width,
+            layers,
+            heads,
+            mlp_ratio,
+            causal=True,
+            grad_checkpointing=grad_checkpointing,
+            quick_gelu=quick_gelu,
         )
         self.ln_final = nn.LayerNorm(width)
         self.proj = nn.Linear(width, embed_dim, bias=False)

@@ -65,10 +65,30 @@ class SelfAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
-class ResidualBlock(nn.Module):
-    """Pre-norm Transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; [B, N, D] -> [B, N, D]."""
+class QuickGELU(nn.Module):
+    """x·sigmoid(1.702·x): the GELU approximation OpenAI's CLIP weights were trained with (and the
+    Hugging Face CLIP default, ``hidden_act="quick_gelu"``); [*] -> [*]."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, *, causal: bool = False) -> None:
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm Transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; [B, N, D] -> [B, N, D].
+
+    ``quick_gelu`` swaps the MLP's exact GELU for :class:`QuickGELU` (no parameter changes, so the
+    same weights load either way; pick the activation the weights were trained with).
+    """
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float = 4.0,
+        *,
+        causal: bool = False,
+        quick_gelu: bool = False,
+    ) -> None:
         super().__init__()
         hidden = int(width * mlp_ratio)
         self.ln_1 = nn.LayerNorm(width)
@@ -76,7 +96,7 @@ class ResidualBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             nn.Linear(width, hidden),
-            nn.GELU(),
+            QuickGELU() if quick_gelu else nn.GELU(),
             nn.Linear(hidden, width),
         )
 
@@ -101,13 +121,15 @@ class Transformer(nn.Module):
         *,
         causal: bool = False,
         grad_checkpointing: bool = False,
+        quick_gelu: bool = False,
     ) -> None:
         super().__init__()
         check_positive(width=width, layers=layers, heads=heads, mlp_ratio=mlp_ratio)
         check_heads(width, heads)
         self.grad_checkpointing = grad_checkpointing
         self.blocks = nn.ModuleList(
-            ResidualBlock(width, heads, mlp_ratio, causal=causal) for _ in range(layers)
+            ResidualBlock(width, heads, mlp_ratio, causal=causal, quick_gelu=quick_gelu)
+            for _ in range(layers)
         )
         self.reset_parameters()
 
@@ -242,6 +264,7 @@ class VisionTransformer(TransformerTower):
         weights: str | None = None,
         weight_scale: float = 1.0,
         grad_checkpointing: bool = False,
+        quick_gelu: bool = False,
     ) -> None:
         super().__init__()
         check_positive(embed_dim=embed_dim, image_size=image_size, patch_size=patch_size)
@@ -259,7 +282,9 @@ class VisionTransformer(TransformerTower):
         self.class_embedding = nn.Parameter(torch.empty(width))
         self.positional_embedding = nn.Parameter(torch.empty(1 + num_patches, width))
         self.ln_pre = nn.LayerNorm(width)
-        self.transformer = Transformer(width, layers, heads, mlp_ratio, grad_checkpointing=grad_checkpointing)
+        self.transformer = Transformer(
+            width, layers, heads, mlp_ratio, grad_checkpointing=grad_checkpointing, quick_gelu=quick_gelu
+        )
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Linear(width, embed_dim, bias=False)
         self.finish_tower(width, weights, weight_scale)

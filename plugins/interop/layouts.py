@@ -1,0 +1,295 @@
+"""Interop with the CLIP weights researchers already have: open_clip and Hugging Face.
+
+Layouts (:func:`detect`):
+  ``clipkit``     an export directory (``clipkit.json`` + ``model.safetensors``);
+  ``open_clip``   an open_clip checkpoint directory (``open_clip_config.json`` +
+                  ``open_clip_model.safetensors``);
+  ``state_dict``  one ``.safetensors`` file in OpenAI/open_clip key layout (no config);
+  ``hf``          a Hugging Face ``CLIPModel`` directory (``config.json`` + ``model.safetensors``).
+
+Everything goes through a :class:`~clipkit.plugins.interop.spec.ClipSpec` and a clipkit-layout state dict.
+Neither open_clip nor transformers is imported, and no pickle is ever loaded (``.bin``/``.pt``
+files are refused; OpenAI's TorchScript ``.pt`` files are out of scope — use a safetensors copy).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clipkit.errors import ClipkitError
+from clipkit.plugins.interop.spec import CLIP_VOCAB_SIZE, ClipSpec, TextSpec, VisionSpec
+
+if TYPE_CHECKING:
+    from clipkit.model import ContrastiveModel
+    from clipkit.registry import Registry
+
+LAYOUTS = ("clipkit", "open_clip", "state_dict", "hf")
+#: Registered encoder names whose towers convert (their classes are checked too, see spec_of_model).
+CONVERTIBLE = {
+    "encoder": "vit*, text_transformer*, clip_text (output cls/eos, no weight head), clip_resnet, rn*",
+    "tokenizer": "clip_bpe",
+    "similarity": "dot (no bias)",
+}
+
+
+def detect(path: Path) -> str:
+    """Which layout ``path`` holds (raises ClipkitError naming what it looked for)."""
+    from clipkit.plugins.interop import hf, open_clip
+
+    path = Path(path)
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return "state_dict"
+        raise ClipkitError(
+            f"{path}: only .safetensors state dicts are read (pickled .pt/.bin files are never loaded; "
+            "OpenAI's TorchScript .pt files are out of scope: use a safetensors copy of the weights)"
+        )
+    if not path.is_dir():
+        raise ClipkitError(f"{path} does not exist")
+    if (path / "clipkit.json").is_file():
+        return "clipkit"
+    if (path / open_clip.CONFIG).is_file():
+        return "open_clip"
+    if hf.is_hf_clip(path):
+        return "hf"
+    raise ClipkitError(
+        f"{path} is not a clipkit export: clipkit.json is missing (nor is it an open_clip directory with "
+        f"{open_clip.CONFIG} or a Hugging Face CLIPModel directory with config.json)"
+    )
+
+
+def read(path: Path, registry: Registry | None = None, *, quick_gelu: bool | None = None):
+    """Any layout -> (ClipSpec, clipkit-layout state dict). ``quick_gelu`` only matters for a bare
+    state dict, whose tensors cannot say which activation trained them (None: QuickGELU, OpenAI's)."""
+    from clipkit.plugins.interop import hf, open_clip
+
+    layout = detect(path)
+    if layout == "state_dict":
+        spec, state = open_clip.read_state_dict(Path(path), True if quick_gelu is None else quick_gelu)
+    elif layout == "open_clip":
+        spec, state = open_clip.read_dir(Path(path))
+    elif layout == "hf":
+        spec, state = hf.read_dir(Path(path))
+    else:
+        from clipkit.export import load_export
+        from clipkit.registry import default_registry
+
+        model, metadata = load_export(Path(path), registry or default_registry())
+        spec = spec_of_model(model, metadata, str(path))
+        state = {k: v for k, v in model.state_dict().items()}
+    spec.extra["converted_from"] = f"{layout}:{path}"
+    return spec, state
+
+
+# ----------------------------------------------------------------------------- clipkit side
+
+
+def encoder_configs(spec: ClipSpec) -> tuple[dict, dict]:
+    """The ``model.image_encoder`` / ``model.text_encoder`` recipe entries that hold ``spec``."""
+    vision, text = spec.vision, spec.text
+    if vision.kind == "resnet":
+        image = {
+            "name": "clip_resnet",
+            "layers": list(vision.layers),
+            "width": vision.width,
+            "heads": vision.heads,
+        }
+    else:
+        image = dict(name="vit", patch_size=vision.patch_size, width=vision.width, layers=vision.layers,
+                     heads=vision.heads, mlp_ratio=vision.mlp_ratio, quick_gelu=spec.quick_gelu)  # fmt: skip
+    text_config = dict(name="text_transformer", width=text.width, layers=text.layers, heads=text.heads,
+                       mlp_ratio=text.mlp_ratio, quick_gelu=spec.quick_gelu)  # fmt: skip
+    return image, text_config
+
+
+def recipe_for(spec: ClipSpec, state: dict, registry: Registry) -> dict:
+    """A validated clipkit recipe (the ``clip`` recipe's training settings) whose model is ``spec``."""
+    from clipkit.recipe import load_recipe, validate_or_raise
+
+    if spec.text.vocab_size != CLIP_VOCAB_SIZE:
+        raise ClipkitError(
+            f"text vocab_size {spec.text.vocab_size} is not CLIP BPE's {CLIP_VOCAB_SIZE}: clipkit has no "
+            "tokenizer for it"
+        )
+    recipe = load_recipe("clip", [], registry=registry)
+    image, text = encoder_configs(spec)
+    recipe["model"].update(
+        embed_dim=spec.embed_dim,
+        image_size=spec.vision.image_size,
+        mean=list(spec.mean),
+        std=list(spec.std),
+        image_encoder=image,
+        text_encoder=text,
+        tokenizer={"name": "clip_bpe", "context_length": spec.text.context_length},
+    )
+    scale = (
+        math.exp(float(state["similarity.log_scale"].reshape(())))
+        if "similarity.log_scale" in state
+        else 100.0
+    )
+    recipe["similarity"] = {"name": "dot", "init_scale": scale, "max_scale": 100.0}
+    if spec.extra.get("converted_from"):
+        recipe["notes"] = f"converted by `clipkit convert` from {spec.extra['converted_from']}"
+    return validate_or_raise(recipe, registry)
+
+
+def build(spec: ClipSpec, state: dict, registry: Registry) -> tuple[ContrastiveModel, dict]:
+    """A clipkit model holding ``state`` (strict: every key must match), in eval mode, + its recipe."""
+    from clipkit.model import build_model
+
+    recipe = recipe_for(spec, state, registry)
+    model = build_model(recipe, registry)
+    load_strict(model, state, "converted weights")
+    return model.eval(), recipe
+
+
+def load_strict(model, state: dict, where: str) -> None:
+    """``load_state_dict`` that names every missing/unexpected key and shape mismatch."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in state and
+              tuple(state[k].shape) != tuple(own[k].shape)]  # fmt: skip
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else ""]
+        parts.append(f"shape mismatches {shapes}" if shapes else "")
+        raise ClipkitError(f"{where} do not fit the model: " + "; ".join(p for p in parts if p))
+    model.load_state_dict(state, strict=True)
+
+
+def read_foreign(path: Path, registry: Registry, options: dict) -> tuple[ContrastiveModel, dict] | None:
+    """The ``read_model`` hook: an open_clip / Hugging Face directory or an OpenAI-layout
+    state dict, converted in memory; None for a path in none of these layouts (an export is the
+    host's). Pickles are refused here, with the reason."""
+    from clipkit.export import describe
+    from clipkit.plugins.interop import hf, open_clip
+
+    path = Path(path)
+    recognised = path.is_file() or (path / open_clip.CONFIG).is_file() or hf.is_hf_clip(path)
+    if not recognised or (path / "clipkit.json").is_file():
+        return None
+    spec, state = read(path, registry, quick_gelu=options.get("quick_gelu"))
+    model, recipe = build(spec, state, registry)
+    return model, describe(recipe, registry)
+
+
+def load_model(path: Path, registry: Registry | None = None) -> tuple[ContrastiveModel, dict]:
+    """Any layout -> (clipkit model in eval mode, export-style metadata). Exports load as they are
+    (any plugins); other layouts are converted in memory."""
+    from clipkit.export import describe, load_export
+    from clipkit.registry import default_registry
+
+    registry = registry or default_registry()
+    if detect(path) == "clipkit":
+        return load_export(Path(path), registry)
+    spec, state = read(path, registry)
+    model, recipe = build(spec, state, registry)
+    return model, describe(recipe, registry)
+
+
+#: Written beside a converted export: the `clip` recipe with this model, ready for
+#: ``clipkit train OUT/recipe.yaml model.init=OUT data.shards=...`` (fine-tuning the converted model).
+RECIPE = "recipe.yaml"
+
+
+def write_export(spec: ClipSpec, state: dict, out: Path, registry: Registry) -> Path:
+    from clipkit.export import write_export as write
+    from clipkit.recipe import save_recipe
+
+    model, recipe = build(spec, state, registry)
+    out = write(model, recipe, Path(out), registry)
+    trainable = {k: v for k, v in recipe.items() if k not in ("name", "overrides")}
+    save_recipe(trainable, out / RECIPE)
+    return out
+
+
+def spec_of_model(model: ContrastiveModel, metadata: dict, where: str) -> ClipSpec:
+    """The plain-CLIP shape of a clipkit model, or ClipkitError naming the plugin that has none."""
+    from clipkit.plugins.encoders.clip_resnet import ModifiedResNet
+    from clipkit.plugins.encoders.text_transformer import TextTransformer
+    from clipkit.plugins.encoders.vit import QuickGELU, VisionTransformer
+    from clipkit.plugins.similarities.dot import DotSimilarity
+    from clipkit.plugins.tokenizers.clip_bpe import ClipBPETokenizer
+
+    plugins = metadata.get("plugins", {})
+
+    def refuse(slot: str, why: str):
+        name = plugins.get(slot, {}).get("name", "?")
+        return ClipkitError(f"{where}: {slot} {name!r} has no plain-CLIP counterpart ({why})")
+
+    image, text = model.image_encoder, model.text_encoder
+    if isinstance(image, VisionTransformer):
+        if image.output != "cls" or image.weight_head is not None:
+            raise refuse("model.image_encoder", "only output='cls' without a weight head converts")
+        blocks = image.transformer.blocks
+        width = image.conv1.out_channels
+        vision = VisionSpec(
+            "vit", width, len(blocks), blocks[0].attn.heads, image.image_size,
+            patch_size=image.conv1.kernel_size[0], mlp_ratio=blocks[0].mlp[0].out_features / width,
+        )  # fmt: skip
+        image_quick = isinstance(blocks[0].mlp[1], QuickGELU)
+    elif isinstance(image, ModifiedResNet):
+        if image.output != "cls":
+            raise refuse("model.image_encoder", "only output='cls' converts")
+        layers = tuple(len(stage) for stage in image.stages())
+        vision = VisionSpec(
+            "resnet", image.conv3.out_channels, layers, image.attnpool.heads, image.image_size
+        )
+        image_quick = None
+    else:
+        raise refuse("model.image_encoder", "plain CLIP image towers are ViT and modified ResNet")
+    if model.pair != "image_text" or not isinstance(text, TextTransformer):
+        raise refuse("model.text_encoder", "plain CLIP's text tower is the causal text Transformer")
+    if text.output != "eos" or text.weight_head is not None:
+        raise refuse("model.text_encoder", "only output='eos' without a weight head converts")
+    if not isinstance(model.tokenizer, ClipBPETokenizer):
+        raise refuse("model.tokenizer", "plain CLIP uses CLIP BPE (clip_bpe)")
+    similarity = model.similarity
+    if not isinstance(similarity, DotSimilarity) or similarity.bias is not None:
+        raise refuse("similarity", "plain CLIP scores exp(logit_scale)·<x, y>, 'dot' without bias")
+    if "similarity.log_scale" not in dict(similarity.named_parameters(prefix="similarity")):
+        raise refuse("similarity", "a fixed (learn_scale=false) scale is not a CLIP logit_scale parameter")
+    text_blocks = text.transformer.blocks
+    text_quick = isinstance(text_blocks[0].mlp[1], QuickGELU)
+    if image_quick is not None and image_quick != text_quick:
+        raise refuse("model.image_encoder", "the towers use different activations (quick_gelu); CLIP has one")
+    text_spec = TextSpec(
+        width=text.token_embedding.embedding_dim,
+        layers=len(text_blocks),
+        heads=text_blocks[0].attn.heads,
+        context_length=text.context_length,
+        vocab_size=text.vocab_size,
+        mlp_ratio=text_blocks[0].mlp[0].out_features / text.token_embedding.embedding_dim,
+    )
+    preprocessing = metadata.get("preprocessing", {})
+    return ClipSpec(
+        embed_dim=text.proj.out_features,
+        vision=vision,
+        text=text_spec,
+        quick_gelu=text_quick,
+        mean=tuple(preprocessing.get("mean", model.transform.mean)),
+        std=tuple(preprocessing.get("std", model.transform.std)),
+    )
+
+
+def convert(
+    src: Path, out: Path, to: str, registry: Registry | None = None, *, quick_gelu: bool | None = None
+):
+    """Convert the model at ``src`` (any layout) to ``out`` in layout ``to``; returns ``out``."""
+    from clipkit.plugins.interop import hf, open_clip
+    from clipkit.registry import default_registry
+
+    if to not in LAYOUTS:
+        raise ClipkitError(f"--to must be one of {', '.join(LAYOUTS)}, got {to!r}")
+    registry = registry or default_registry()
+    spec, state = read(Path(src), registry, quick_gelu=quick_gelu)
+    if to != "clipkit":
+        build(spec, state, registry)  # the weights must fit the architecture before anything is written
+    if to == "clipkit":
+        return write_export(spec, state, out, registry)
+    writer = {"open_clip": open_clip.write_dir, "state_dict": open_clip.write_state_dict, "hf": hf.write_dir}[
+        to
+    ]
+    return writer(spec, state, out)
