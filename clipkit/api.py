@@ -131,6 +131,8 @@ def train(
     from clipkit.recipe import section, validate_or_raise
     from clipkit.train.build import build_trainer, prepare_run_dir
     from clipkit.train.loop import train_loop
+    from clipkit.train.stop import handling_signals
+    from clipkit.watch import watching
 
     registry = registry or default_registry()
     started = time.perf_counter()
@@ -145,14 +147,17 @@ def train(
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
     prepare_run_dir(recipe, run_dir, resume=resume)
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
-    metrics = train_loop(trainer, progress=progress)
-    result = TrainResult(run_dir=Path(run_dir), metrics=metrics, is_main=trainer.runtime.is_main)
-    if section(recipe, "train").export and trainer.runtime.is_main:
-        result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
-        if recipe.get("eval"):
-            evals = evaluate(result.export_dir, None, registry=registry, output=Path(run_dir) / "eval.json")
-            result.evals = evals["results"]
-        plot_run(Path(run_dir))
+    with watching(trainer) as events:  # on_run_start / on_evals / on_run_end (trackers)
+        with handling_signals():  # SIGTERM/SIGINT: checkpoint after the step, then TrainingStopped
+            metrics = train_loop(trainer, progress=progress)
+        result = TrainResult(run_dir=Path(run_dir), metrics=metrics, is_main=trainer.runtime.is_main)
+        if section(recipe, "train").export and trainer.runtime.is_main:
+            result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
+            if recipe.get("eval"):
+                output = Path(run_dir) / "eval.json"
+                result.evals = evaluate(result.export_dir, None, registry=registry, output=output)["results"]
+                events.evals(result.evals)
+            plot_run(Path(run_dir))
     result.seconds = time.perf_counter() - started
     return result
 

@@ -139,8 +139,19 @@ def train_command(
     eval_data: Annotated[
         list[str], typer.Option(help="More data to evaluate on (retrieval; zero-shot with --label)")
     ] = None,
+    report_to: Annotated[
+        list[str],
+        typer.Option(
+            help="Experiment tracker (repeatable or comma-separated): tensorboard, wandb, mlflow "
+            "or an Accelerate tracker name; sets train.report_to"
+        ),
+    ] = None,
 ):
-    """Train a recipe (sharding its data source first if needed), export and evaluate."""
+    """Train a recipe (sharding its data source first if needed), export and evaluate.
+
+    SIGTERM or Ctrl-C finishes the current step, writes a checkpoint, prints the command that
+    resumes it and exits with 143 / 130; a second signal stops at once.
+    """
     from clipkit import api
     from clipkit.train.runtime import launched_as_main
 
@@ -157,11 +168,14 @@ def train_command(
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
-
+    overrides = list(overrides or [])
+    if report_to:
+        names = [name.strip() for item in report_to for name in item.split(",") if name.strip()]
+        overrides.append(f"train.report_to=[{','.join(names)}]")
     with step_progress("training", total=None, enabled=launched_as_main()) as report:
         result = api.train(
             recipe,
-            overrides or [],
+            overrides,
             run_dir=run_dir,
             resume=resume,
             registry=registry(),
@@ -479,9 +493,24 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
     console().print(table)
 
 
+def global_options(
+    log_level: Annotated[
+        str, typer.Option(help="Logging level of clipkit's messages: debug, info, warning, error")
+    ] = "info",
+):
+    """Options before the command: logging goes to stderr (step lines when stderr is no terminal)."""
+    from clipkit.watch import configure_logging
+
+    try:
+        configure_logging(log_level)
+    except ClipkitError as error:
+        raise typer.BadParameter(str(error), param_hint="--log-level") from None
+
+
 def make_app(pm=None) -> typer.Typer:
     """A fresh Typer app with the built-in commands and every plugin's ``register_commands``."""
     app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+    app.callback()(global_options)
     app.command("shard")(shard_command)
     app.command("train")(train_command)
     app.command("export")(export_command)

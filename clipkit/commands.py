@@ -22,7 +22,8 @@ def fails_cleanly(command):
             return command(*args, **kwargs)
         except ClipkitError as error:
             typer.secho(f"error: {error}", fg="red", err=True)
-            raise typer.Exit(2) from None
+            # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
+            raise typer.Exit(getattr(error, "exit_code", 2)) from None
 
     return wrapper
 

@@ -143,3 +143,34 @@ def on_metrics(step, metrics, run):
     this process is the main one). Called on every process; loggers usually write only
     when ``run.is_main``.
     """
+
+
+@hookspec
+def on_run_start(run, recipe, start_step):
+    """A training run starts (or resumes): called once on the main process, before the first step.
+
+    ``run`` is the :class:`clipkit.train.loop.RunInfo` later passed to ``on_metrics``; ``recipe`` the
+    resolved recipe (a plain dict, as saved in ``RUN/recipe.yaml``); ``start_step`` the step the
+    loop continues from (0 for a new run). Experiment trackers open their run here and store the
+    recipe as its configuration; raise :class:`clipkit.errors.ClipkitError` to refuse to start.
+    """
+
+
+@hookspec
+def on_evals(step, results, run):
+    """The recipe's eval tasks ran on the export at the end of training (main process only).
+
+    ``results`` is the list ``RUN/eval.json`` holds (one dict per task, with a ``"table"`` of
+    ``{metric: value}`` rows; :func:`clipkit.eval.report.metric_rows` flattens one); ``step`` is the
+    last training step. Evaluations during training (``train.eval_every``) arrive through
+    ``on_metrics`` instead, as ``eval/<task>/<metric>`` keys.
+    """
+
+
+@hookspec
+def on_run_end(run, status):
+    """The run ended (main process only), after the export and its evaluation.
+
+    ``status``: ``"finished"``, ``"stopped"`` (a SIGTERM/SIGINT graceful stop, see
+    :mod:`clipkit.train.stop`; a checkpoint was written) or ``"failed"`` (an exception propagates).
+    """

@@ -19,6 +19,8 @@ BUILTIN_PLUGINS = (
     "clipkit.plugins.evals",
     "clipkit.plugins.sources",
     "clipkit.plugins.loggers",
+    "clipkit.plugins.loggers.progress_log",
+    "clipkit.plugins.loggers.trackers",
     "clipkit.plugins.recipes",
     "clipkit.plugins.experiments",
     "clipkit.plugins.interop",

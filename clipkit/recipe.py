@@ -121,6 +121,9 @@ class TrainConfig:
     compile: str = "none"  # torch.compile the towers: none | default | reduce-overhead | max-autotune
     threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
     distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
+    # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
+    # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)
+    report_to: list = field(default_factory=list)
 
 
 @dataclass

@@ -167,7 +167,7 @@ def table_kinds(gen: Generator, text_format: str) -> dict[str, object]:
     def directory():
         name = f"dir{rng.randrange(10**6)}.png"
         (gen.root / name).mkdir(exist_ok=True)
-        return {"image": name, "caption": "fine"}, "missing_image"
+        return {"image": name, "caption": "fine"}, "not_a_file"  # issue 19: counted as what it is
 
     def cells(reason, **row):
         return lambda: ({"image": gen.good_image(), "caption": "fine", **row}, reason)
@@ -289,7 +289,7 @@ def write_caption_folder(root: Path) -> tuple[Path, list[str], collections.Count
     kinds = {f"image_{kind}": bad_image(kind) for kind in BAD_IMAGES}
     kinds.update(
         missing_caption_file=lambda stem: good_image(stem, None, None, "missing_caption"),
-        caption_file_is_a_directory=lambda stem: good_image(stem, "DIR", None, "missing_caption"),
+        caption_file_is_a_directory=lambda stem: good_image(stem, "DIR", None, "not_a_file"),
         empty_caption_file=lambda stem: good_image(stem, b"", None, "empty_caption"),
         blank_lines_only=lambda stem: good_image(stem, "\n  \n\t\r\n", None, "empty_caption"),
         latin1_caption=lambda stem: good_image(stem, b"caf\xe9\n", None, "bad_encoding"),
@@ -321,7 +321,8 @@ def write_caption_folder(root: Path) -> tuple[Path, list[str], collections.Count
             (folder / f"{stem}.txt").write_bytes(text)
         if meta is not None:
             (folder / f"{stem}.json").write_bytes(meta if isinstance(meta, bytes) else meta.encode("utf-8"))
-    (folder / "not_an_image.png").mkdir()  # a directory named like an image is no row at all
+    (folder / "not_an_image.png").mkdir()  # a directory named like an image: refused and counted
+    expected["not_a_file"] += 1
     return folder, good, expected, first_bad
 
 
@@ -358,7 +359,7 @@ def test_corrupt_table_rows_are_skipped_and_counted(tmp_path, text_format):
 
 def test_corrupt_caption_folder_entries_are_skipped_and_counted(tmp_path):
     folder, good, expected, first_bad = write_caption_folder(tmp_path)
-    assert sum(expected.values()) == N_CORRUPT and len(good) == N_GOOD
+    assert sum(expected.values()) == N_CORRUPT + 1 and len(good) == N_GOOD  # + the directory not_an_image.png
     manifest = api.shard(f"folder:{folder}", tmp_path / "shards")
     assert manifest["n"] == N_GOOD
     assert manifest["info"]["skipped"] == dict(sorted(expected.items()))

@@ -27,6 +27,7 @@ import email.utils
 import http.client
 import io
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -57,11 +58,20 @@ class DownloadError(DataError):
 
 
 def redact(url: str) -> str:
-    """``url`` without a ``user:password@`` part, for messages and manifests."""
-    parts = urlsplit(url)
+    """``url`` without a ``user:password@`` part, for messages and manifests. Never raises: it
+    runs in error handlers, including for URLs ``urlsplit`` refuses (``http://[::1``)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        # Malformed: cut anything between "//" and the last "@" before the path by hand.
+        return USERINFO.sub(r"\1", url)
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+#: ``scheme://user:password@`` -> ``scheme://`` (for URLs urlsplit cannot parse).
+USERINFO = re.compile(r"^([^:/?#]*://)[^/?#]*@")
 
 
 def is_url(text: str) -> bool:

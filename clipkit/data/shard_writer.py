@@ -12,8 +12,9 @@ Rerunning with the same source and settings continues: the source restores its p
 without them, the samples already written are skipped (re-read, not re-written). Global indices
 continue from the journal, so the finished set has every index in [0, n) exactly once. The tar
 members carry a fixed mtime, so an interrupted-then-resumed run writes byte-identical shards to an
-uninterrupted one. When the source is exhausted, ``manifest.json`` is written and ``OUT.partial``
-is renamed to ``OUT`` (an existing ``OUT`` is swapped out only then).
+uninterrupted one. When the source is exhausted, ``manifest.json`` is written (the commit point), then
+``OUT.partial`` is renamed to ``OUT`` (an existing ``OUT`` is swapped out only then), then the journal
+is removed; a run killed between these steps is finished by the next one without re-reading the source.
 
 Each sample is stored under key = its global index (zero-padded, 9 digits) with fields
 ``<image_ext>`` (the image bytes as given), ``txt`` (the first caption, when there is one) and
@@ -23,6 +24,7 @@ Each sample is stored under key = its global index (zero-padded, 9 digits) with 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +34,7 @@ from typing import Any
 from clipkit.errors import ClipkitError, DataError
 from clipkit.io import atomic_write_text, replace_directory
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
+from clipkit.data.shard_lock import output_lock
 from clipkit.types import Sample
 
 JOURNAL = "journal.json"
@@ -93,6 +96,9 @@ def write_shards(
     A shard closes at ``samples_per_shard`` samples or once it holds ``max_shard_bytes`` bytes
     (it may exceed that by one sample). ``settings`` (e.g. the source options) must match on a
     resume. Returns the manifest.
+
+    One writer at a time per ``out_dir`` (:mod:`clipkit.data.shard_lock`): a run that had to wait for
+    another one writing the same set reuses that set, once it checks out against its manifest.
     """
     writer = ResumableWriter(
         Path(out_dir),
@@ -101,7 +107,31 @@ def write_shards(
         max_shard_bytes=parse_size(max_shard_bytes),
         settings=settings or {},
     )
-    return writer.run(samples, info or {}, progress)
+    with output_lock(writer.out_dir) as waited:
+        if waited and (writer.out_dir / MANIFEST).is_file():
+            return reuse_concurrent_set(writer.out_dir, source)
+        return writer.run(samples, info or {}, progress)
+
+
+def reuse_concurrent_set(out_dir: Path, source: str) -> dict[str, Any]:
+    """The manifest of the set another process wrote while this one waited for the lock, after
+    checking every shard against it; DataError when it is of another source or damaged."""
+    from clipkit.data.shard import read_manifest, verify_shards
+
+    manifest = read_manifest(out_dir)
+    if manifest.get("source") != source:
+        raise DataError(
+            f"{out_dir} was written from {manifest.get('source')!r} by another run while this one "
+            f"waited to write {source!r} there; not overwriting it (pick another output directory)"
+        )
+    problems = verify_shards(out_dir)["problems"]
+    if problems:
+        raise DataError(f"{out_dir}, written by another run meanwhile, does not match its manifest: "
+                        f"{'; '.join(problems[:3])}")  # fmt: skip
+    logging.getLogger("clipkit.data.shard").warning(
+        "%s was written by another run meanwhile; it matches its manifest and is reused", out_dir
+    )
+    return manifest
 
 
 class ResumableWriter:
@@ -177,6 +207,9 @@ class ResumableWriter:
     # -- writing -----------------------------------------------------------------------------
 
     def run(self, samples: Iterable[Sample], info: dict[str, Any], progress) -> dict[str, Any]:
+        finished = self.finish_completed()
+        if finished is not None:
+            return finished
         resuming = self.load_journal()
         iterator = self.resumed_iterator(samples) if resuming else iter(samples)
         if progress is not None and self.written:
@@ -239,10 +272,36 @@ class ResumableWriter:
         self.save_journal()
 
     def complete(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Write the manifest, then rename ``OUT.partial`` to ``OUT``, then drop the journal.
+
+        The manifest is the commit point: once it is in ``OUT.partial`` the set is complete, and
+        a run killed before the rename finishes it (:meth:`finish_completed`) without re-reading
+        the source. The journal goes last, from ``OUT``: a leftover one there is harmless (no
+        reader looks at it) and removed by the next writer.
+        """
         manifest = build_manifest(self.shards, sorted(self.fields), self.source, info)
         atomic_write_text(self.partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        (self.partial / JOURNAL).unlink()
         replace_directory(self.partial, self.out_dir)
+        (self.out_dir / JOURNAL).unlink(missing_ok=True)
+        return manifest
+
+    def finish_completed(self) -> dict[str, Any] | None:
+        """The manifest of a set a killed run completed but did not rename yet (None otherwise):
+        ``OUT.partial`` holds a manifest (written after every shard was journaled) and a journal
+        with this run's arguments; it is renamed to ``OUT`` now."""
+        (self.out_dir / JOURNAL).unlink(missing_ok=True)  # left by a run killed after its rename
+        manifest_path, journal_path = self.partial / MANIFEST, self.partial / JOURNAL
+        if not (manifest_path.is_file() and journal_path.is_file()):
+            return None
+        try:
+            journal = json.loads(journal_path.read_text(encoding="utf-8"))
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # not the commit point after all: load_journal decides
+        if journal.get("identity") != self.identity or manifest.get("shards") != journal.get("shards"):
+            return None
+        replace_directory(self.partial, self.out_dir)
+        (self.out_dir / JOURNAL).unlink(missing_ok=True)
         return manifest
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import RunInfo, Trainer, build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
@@ -98,6 +99,8 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
             evaluate_during_training(trainer, done)
         if done % settings.checkpoint_every == 0 or done == settings.steps:
             save_trainer(trainer, done)
+        if stop.requested(rt):  # SIGTERM/SIGINT (clipkit.train.stop): checkpoint this step, then exit
+            stop.stop(trainer, done, save_trainer)
         if progress is not None and rt.is_main:
             progress(done, settings.steps, last)
     return last

@@ -32,6 +32,7 @@ and row instead. Torch is never imported here.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from .source_base import (  # noqa: F401
     BadRow,
     FileSource,
     check_meta,
+    check_path,
     check_utf8,
     clean_captions,
     common_options,
@@ -56,6 +58,7 @@ from .source_base import (  # noqa: F401
     positive_int,
     preview,
     read_image,
+    read_regular_file,
     truthy,
     verify_image_bytes,
 )
@@ -95,13 +98,15 @@ def is_caption_folder(path: Path) -> bool:
 
 
 def image_files(directory: Path, *, recursive: bool = True) -> list[Path]:
-    """Image files under ``directory`` (hidden ones left out), sorted so keys and order are stable."""
+    """Entries named like images under ``directory`` (hidden ones left out), sorted so keys and
+    order are stable. Not only regular files: a FIFO, a device, a directory or a dangling or looping
+    symbolic link named ``*.png`` is listed too, so reading it skips and counts it (left out here,
+    it would vanish from the data without a trace)."""
     candidates = directory.rglob("*") if recursive else directory.iterdir()
     return sorted(
         path
         for path in candidates
         if path.suffix.lower() in IMAGE_SUFFIXES
-        and path.is_file()
         and not any(part.startswith(".") for part in path.relative_to(directory).parts)
     )
 
@@ -127,29 +132,30 @@ class CaptionFolderSource(FolderSource):
 
     def build(self, image_path: Path) -> Sample:
         where = str(image_path)
+        check_path(image_path, f"image {image_path}")  # a FIFO, device, loop: counted as what it is
         caption_path = image_path.with_suffix(".txt")
+        if not os.path.lexists(caption_path):
+            raise BadRow("missing_caption", f"{where}: no caption file {caption_path.name}")
+        # Read as a regular file only, size-limited: a FIFO named x.txt must not hang the run.
+        raw = read_regular_file(caption_path, self.max_image_bytes, str(caption_path), "missing_caption")
         try:
-            text = caption_path.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            raise BadRow("missing_caption", f"{where}: no caption file {caption_path.name}") from None
-        except OSError as error:  # a directory, no permission
-            reason = error.strerror or error
-            raise BadRow("missing_caption", f"{caption_path} cannot be read ({reason})") from None
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise BadRow("bad_encoding", f"{caption_path}: not valid UTF-8") from None
         # Lines end at \n (\r\n, \r): str.splitlines would also split at \x0b, \x1c, \u2028...
         captions = clean_captions(LINE_BREAKS.split(text), str(caption_path), self.max_caption_chars)
         meta = self.meta(image_path)
-        image, image_ext = read_image(image_path)  # last: the costly check
+        image, image_ext = read_image(image_path, self.max_image_bytes)  # last: the costly check
         key = image_path.relative_to(self.path).with_suffix("").as_posix()
         return Sample(key=key, image=image, image_ext=image_ext, captions=captions, meta=meta)
 
     def meta(self, image_path: Path) -> dict[str, Any]:
         meta_path = image_path.with_suffix(".json")
-        if not meta_path.is_file():
+        if not os.path.lexists(meta_path):
             return {}
+        raw = read_regular_file(meta_path, self.max_image_bytes, str(meta_path), "bad_meta")
         try:
-            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+            meta = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError, RecursionError) as error:  # unreadable; not UTF-8; not JSON; deep
             raise BadRow("bad_meta", f"{meta_path}: invalid JSON ({preview(str(error), 200)})") from None
         if not isinstance(meta, dict):
@@ -181,7 +187,7 @@ class ClassFolderSource(FolderSource):
                 yield str(image_path), lambda p=image_path, i=label: self.build(p, i)
 
     def build(self, image_path: Path, label: int) -> Sample:
-        image, image_ext = read_image(image_path)
+        image, image_ext = read_image(image_path, self.max_image_bytes)
         name = self.classes[label]
         return Sample(
             key=image_path.relative_to(self.path).with_suffix("").as_posix(),

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import abc
 import collections
+import errno
 import io
 import itertools
 import json
+import os
 import re
+import stat
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clipkit.errors import DataError
+from clipkit.errors import ClipkitError, DataError
 from clipkit.types import Sample
 
 if TYPE_CHECKING:
@@ -36,6 +39,10 @@ PIL_FORMAT_EXT = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp", "BM
 #: leaves room for any real caption but catches what is not one (a scraped page, a file pasted into
 #: a cell), which would bloat every shard record and tokenizer call.
 DEFAULT_MAX_CAPTION_CHARS = 10_000
+#: Largest image file read, in bytes (option ``max_image_bytes``, e.g. ``64MiB``). Real images are
+#: far smaller (a 50-megapixel camera JPEG is ~25 MB); the limit is there so that a path naming
+#: something endless (``/dev/zero``) or a huge non-image is refused instead of read into memory.
+DEFAULT_MAX_IMAGE_BYTES = 64 * 2**20
 LINE_BREAKS = re.compile(r"\r\n|\r|\n")
 #: C0 controls but tab, line feed and carriage return; DEL; C1 controls. NUL is refused before this.
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
@@ -67,7 +74,25 @@ def common_options(options: dict[str, Any]) -> dict[str, Any]:
         "workers": positive_int(options, "workers", 1),
         "max_caption_chars": positive_int(options, "max_caption_chars", DEFAULT_MAX_CAPTION_CHARS),
         "background": options.get("background") or None,
+        "max_image_bytes": byte_size(options, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES),
     }
+
+
+def byte_size(options: dict[str, Any], key: str, default: int) -> int:
+    """``options[key]`` as a number of bytes >= 1 (``"64MiB"``, ``"500MB"``, ``"4096"``); DataError
+    naming the key otherwise."""
+    from clipkit.data.shard_writer import parse_size
+
+    value = options.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        number = parse_size(value if isinstance(value, (int, str)) else str(value))
+    except ClipkitError:  # parse_size's message does not name the option; this one does
+        number = None
+    if not isinstance(number, int) or number < 1:
+        raise DataError(f"source option {key}={value!r} must be a size >= 1 byte, e.g. 64MiB or 500MB")
+    return number
 
 
 class BadRow(Exception):
@@ -78,14 +103,68 @@ class BadRow(Exception):
         self.reason, self.detail = reason, detail
 
 
-def read_image(path: Path) -> tuple[bytes, str]:
-    """The file's bytes and shard extension; BadRow if it is missing or not a readable image."""
-    try:
-        data = path.read_bytes()
-    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
-        reason = getattr(error, "strerror", None) or error
-        raise BadRow("missing_image", f"image {path} cannot be read ({reason})") from None
+def read_image(path: Path, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> tuple[bytes, str]:
+    """The file's bytes and shard extension; BadRow if it is missing or not a readable image.
+
+    Only regular files are read: a FIFO would block forever, a device such as ``/dev/zero`` never
+    ends, a directory is no image ("not_a_file"). A symbolic link that loops is "symlink_loop"; a
+    file of more than ``max_bytes`` bytes is "too_large" (at most ``max_bytes + 1`` bytes are read).
+    """
+    data = read_regular_file(Path(path), max_bytes, f"image {path}")
     return data, verify_image_bytes(data, f"image {path}")
+
+
+def read_regular_file(path: Path, max_bytes: int, where: str, missing: str = "missing_image") -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`read_image` for the reasons it refuses);
+    a file that cannot be opened otherwise is counted under ``missing``."""
+    try:
+        check_path(path, where, missing)  # stat first, so a device is never even opened
+        # O_NONBLOCK: a FIFO swapped in after the check must not block the open; fstat re-checks.
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise unreadable(error, where, missing) from None
+    with os.fdopen(handle, "rb") as stream:
+        check_regular(os.fstat(stream.fileno()), where)
+        data = stream.read(max_bytes + 1)  # one byte more tells "exactly at the limit" from "over it"
+    if len(data) > max_bytes:
+        raise BadRow("too_large", f"{where} is larger than max_image_bytes ({max_bytes} bytes)")
+    return data
+
+
+def check_path(path: Path, where: str, missing: str = "missing_image") -> None:
+    """BadRow unless ``path`` names a regular file (after symlinks): cheap, nothing is opened."""
+    try:
+        status = os.stat(path)
+    except OSError as error:
+        raise unreadable(error, where, missing) from None
+    except ValueError as error:  # a NUL in the path
+        raise BadRow(missing, f"{where} cannot be read ({error})") from None
+    check_regular(status, where)
+
+
+def check_regular(status: os.stat_result, where: str) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        kind = FILE_KINDS.get(stat.S_IFMT(status.st_mode), "not a regular file")
+        raise BadRow("not_a_file", f"{where} is {kind}; only regular files are read")
+
+
+#: File type -> words for messages about paths that are not regular files.
+FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def unreadable(error: OSError, where: str, missing: str = "missing_image") -> BadRow:
+    """The BadRow for a path that cannot be opened: a symlink loop, else ``missing``."""
+    if error.errno == errno.ELOOP:
+        return BadRow("symlink_loop", f"{where}: symbolic links loop ({error.strerror})")
+    if error.errno == errno.ENXIO:  # a socket, or a device without a driver
+        return BadRow("not_a_file", f"{where} is not a regular file ({error.strerror})")
+    return BadRow(missing, f"{where} cannot be read ({error.strerror or error})")
 
 
 # warnings.catch_warnings swaps the process-wide filter list, which is not thread-safe before Python
@@ -249,6 +328,7 @@ class FileSource(abc.ABC):
         workers: int = 1,
         max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
         background: Any = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
         from clipkit.data.image_modes import parse_background
 
@@ -258,6 +338,7 @@ class FileSource(abc.ABC):
         self.background = None if background is None else parse_background(background, "option background")
         self.image_counts = ImageCounts()
         self.max_caption_chars = int(max_caption_chars)
+        self.max_image_bytes = int(max_image_bytes)
         if int(workers) < 1:
             raise DataError(f"{self.path}: workers must be >= 1, got {workers}")
         self.workers = int(workers)

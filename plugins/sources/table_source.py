@@ -18,6 +18,7 @@ from clipkit.types import Sample
 
 from .source_base import (
     DEFAULT_MAX_CAPTION_CHARS,
+    DEFAULT_MAX_IMAGE_BYTES,
     BadRow,
     FileSource,
     check_meta,
@@ -120,11 +121,12 @@ class TableSource(FileSource):
         resize: int | None = None,
         max_caption_chars: int = DEFAULT_MAX_CAPTION_CHARS,
         background: Any = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
         from clipkit.data.download import Downloader
 
         super().__init__(path, strict=strict, workers=workers or 1, max_caption_chars=max_caption_chars,
-                         background=background)  # fmt: skip
+                         background=background, max_image_bytes=max_image_bytes)  # fmt: skip
         if not self.path.is_file():
             raise DataError(f"{self.path}: table not found")
         self.parquet = self.path.suffix.lower() == ".parquet"
@@ -227,7 +229,7 @@ class TableSource(FileSource):
                 raise BadRow(error.reason, f"{where}: {redact(cell)}: {error.detail}") from None
             image_ext = verify_image_bytes(image, f"{where}: download {redact(cell)}")
         else:
-            image, image_ext = read_image(self.path.parent / cell)
+            image, image_ext = read_image(self.path.parent / cell, self.max_image_bytes)
         if self.resize is not None:
             try:
                 image = resize_image(image, self.resize)
