@@ -126,8 +126,21 @@ def train(
     resume: bool = False,
     registry: Registry | None = None,
     progress=None,
+    verify: bool | None = None,
+    trust_checkpoint: bool | None = None,
 ) -> TrainResult:
-    """Train a recipe; then, if ``train.export``, export to RUN/export and run its eval tasks."""
+    """Train a recipe; then, if ``train.export``, export to RUN/export and run its eval tasks.
+
+    ``verify`` (default on) checks the resumed checkpoint's checksums; ``trust_checkpoint`` allows
+    unpickling it (checkpoints of an older clipkit; see docs/safety.md).
+    """
+    from clipkit.integrity import loading
+
+    with loading(verify=verify, trust_checkpoint=trust_checkpoint):
+        return _train(spec, overrides, run_dir=run_dir, resume=resume, registry=registry, progress=progress)
+
+
+def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResult:
     from clipkit.recipe import section, validate_or_raise
     from clipkit.train.build import build_trainer, prepare_run_dir
     from clipkit.train.loop import train_loop
@@ -195,24 +208,34 @@ def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> di
     """The run's saved recipe with extra overrides (e.g. more ``train.steps``)."""
     from omegaconf import OmegaConf
 
-    from clipkit.recipe import apply_overrides
+    from clipkit.artifacts import read_yaml_mapping
+    from clipkit.recipe import apply_overrides, resolve_interpolations
 
     path = run_dir / "recipe.yaml"
     if not path.is_file():
         raise ClipkitError(f"{run_dir}: cannot resume, recipe.yaml is missing")
-    config = OmegaConf.load(path)
+    config = OmegaConf.create(read_yaml_mapping(path, "the run's recipe", "restore it from a backup"))
     apply_overrides(config, overrides, str(path))
-    recipe = OmegaConf.to_container(config, resolve=True)
+    recipe = resolve_interpolations(config, str(path))
     recipe["overrides"] = list(recipe.get("overrides") or []) + list(overrides)
     return recipe
 
 
 def export(
-    run_dir: Path, out: Path, *, checkpoint: Path | None = None, registry: Registry | None = None
+    run_dir: Path,
+    out: Path,
+    *,
+    checkpoint: Path | None = None,
+    registry: Registry | None = None,
+    verify: bool | None = None,
+    trust_checkpoint: bool | None = None,
 ) -> Path:
+    """Export a run's newest (or a given) checkpoint; ``verify``/``trust_checkpoint`` as in :func:`train`."""
     from clipkit.export import export_run
+    from clipkit.integrity import loading
 
-    return export_run(Path(run_dir), Path(out), registry or default_registry(), checkpoint)
+    with loading(verify=verify, trust_checkpoint=trust_checkpoint):
+        return export_run(Path(run_dir), Path(out), registry or default_registry(), checkpoint)
 
 
 CONVERT_LAYOUTS = "clipkit, open_clip, state_dict, hf"
@@ -253,6 +276,7 @@ def evaluate(
     registry: Registry | None = None,
     output: Path | None = None,
     plots: bool = True,
+    verify: bool | None = None,
 ) -> dict:
     """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
@@ -262,8 +286,10 @@ def evaluate(
     """
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
+    from clipkit.integrity import loading
 
-    report = evaluate_export(Path(export_dir), tasks, registry or default_registry())
+    with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
+        report = evaluate_export(Path(export_dir), tasks, registry or default_registry())
     report["summary"] = summarize(report["results"])
     if output is not None:
         write_eval_report(report, Path(output), plots=plots)

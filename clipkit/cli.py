@@ -22,6 +22,13 @@ HELP = """clipkit — contrastive multimodal (CLIP-family) pretraining research 
 Start with: clipkit train quickstart"""
 
 
+NO_VERIFY_HELP = "Skip the sha256 check of the files against the checksums recorded when they were written"
+TRUST_HELP = (
+    "Allow unpickling the checkpoint's files (can run code the files name): only for checkpoints you "
+    "wrote yourself, e.g. with an older clipkit"
+)
+
+
 def console():
     from rich.console import Console
 
@@ -146,6 +153,8 @@ def train_command(
             "or an Accelerate tracker name; sets train.report_to"
         ),
     ] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
+    trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help=TRUST_HELP)] = False,
 ):
     """Train a recipe (sharding its data source first if needed), export and evaluate.
 
@@ -180,6 +189,8 @@ def train_command(
             resume=resume,
             registry=registry(),
             progress=lambda done, total, metrics: report(completed=done, total=total, metrics=metrics),
+            verify=not no_verify,
+            trust_checkpoint=trust_checkpoint,
         )
     if result.is_main:  # under `accelerate launch` only process 0 reports
         print_summary(result)
@@ -190,11 +201,20 @@ def export_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (recipe.yaml + checkpoints/)")],
     out: Annotated[Path, typer.Argument(help="Export directory to write")],
     checkpoint: Annotated[Path, typer.Option(help="A specific checkpoint (default: the newest)")] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
+    trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help=TRUST_HELP)] = False,
 ):
     """Write model.safetensors + clipkit.json from a run's checkpoint."""
     from clipkit import api
 
-    path = api.export(run_dir, out, checkpoint=checkpoint, registry=registry())
+    path = api.export(
+        run_dir,
+        out,
+        checkpoint=checkpoint,
+        registry=registry(),
+        verify=not no_verify,
+        trust_checkpoint=trust_checkpoint,
+    )
     typer.echo(f"exported {run_dir} to {path}")
 
 
@@ -253,6 +273,7 @@ def eval_command(
     ] = None,
     output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
     plots: Annotated[bool, typer.Option(help="Write PNG plots next to the JSON report")] = True,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
 ):
     """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
     from clipkit import api
@@ -264,7 +285,9 @@ def eval_command(
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
     output = output or default_eval_output(export_dir)
-    report = api.evaluate(export_dir, tasks, registry=registry(), output=output, plots=plots)
+    report = api.evaluate(
+        export_dir, tasks, registry=registry(), output=output, plots=plots, verify=not no_verify
+    )
     print_evals(report["results"], report.get("summary"))
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
     raise_if_failed(report["results"])
@@ -283,11 +306,19 @@ def raise_if_failed(results: list[dict]) -> None:
 
 def read_tasks_file(path: Path) -> list[dict]:
     """A YAML list of eval tasks, or a mapping with an ``eval:`` list (a recipe works too)."""
+    import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    if not path.is_file():
-        raise ClipkitError(f"{path}: no such tasks file")
-    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    from clipkit.artifacts import one_line, read_text, yaml_problem
+
+    text = read_text(path, "tasks file")
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.create(text or "[]"), resolve=True)
+    except yaml.MarkedYAMLError as error:
+        raise ClipkitError(f"{path}: tasks file is not valid YAML ({yaml_problem(error)})") from error
+    except (yaml.YAMLError, OmegaConfBaseException) as error:
+        raise ClipkitError(f"{path}: tasks file cannot be read ({one_line(error)})") from error
     tasks = loaded.get("eval") if isinstance(loaded, dict) else loaded
     if not isinstance(tasks, list) or not all(isinstance(t, dict) and "name" in t for t in tasks):
         raise ClipkitError(f"{path}: expected a list of tasks like `- {{name: zero_shot, data: ...}}`")
@@ -497,10 +528,18 @@ def global_options(
     log_level: Annotated[
         str, typer.Option(help="Logging level of clipkit's messages: debug, info, warning, error")
     ] = "info",
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of errors (damaged files, bad settings)")
+    ] = False,
 ):
-    """Options before the command: logging goes to stderr (step lines when stderr is no terminal)."""
+    """clipkit — contrastive multimodal (CLIP-family) pretraining research toolkit.
+
+    Options before the command: logging goes to stderr (step lines when stderr is no terminal);
+    --debug also prints the traceback of user-facing errors."""
+    from clipkit.commands import DEBUG
     from clipkit.watch import configure_logging
 
+    DEBUG["on"] = debug
     try:
         configure_logging(log_level)
     except ClipkitError as error:
@@ -510,7 +549,7 @@ def global_options(
 def make_app(pm=None) -> typer.Typer:
     """A fresh Typer app with the built-in commands and every plugin's ``register_commands``."""
     app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-    app.callback()(global_options)
+    app.callback(help=HELP)(global_options)
     app.command("shard")(shard_command)
     app.command("train")(train_command)
     app.command("export")(export_command)

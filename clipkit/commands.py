@@ -7,20 +7,33 @@ one (a :class:`~clipkit.errors.ClipkitError` is one red line and exit code 2, no
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import traceback
 
 import typer
 
 from clipkit.errors import ClipkitError
 
+#: ``clipkit --debug`` (or CLIPKIT_DEBUG=1): user-facing errors also print their traceback.
+DEBUG = {"on": False}
+
+
+def debugging() -> bool:
+    return DEBUG["on"] or os.environ.get("CLIPKIT_DEBUG", "") not in ("", "0")
+
 
 def fails_cleanly(command):
-    """Report user-facing errors as one message and exit code 2, without a traceback."""
+    """Report user-facing errors as one message and exit code 2 (a graceful stop: 128 + signal),
+    without a traceback unless --debug."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except ClipkitError as error:
+            if debugging():
+                traceback.print_exception(error, file=sys.stderr)
             typer.secho(f"error: {error}", fg="red", err=True)
             # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
             raise typer.Exit(getattr(error, "exit_code", 2)) from None

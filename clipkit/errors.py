@@ -44,6 +44,18 @@ class DataError(ClipkitError):
     """Bad input data; the message names the file, key or sample."""
 
 
+class ArtifactError(ClipkitError):
+    """An export, checkpoint, manifest or recipe file cannot be read; names the file and what to do."""
+
+
+class IntegrityError(ArtifactError):
+    """A file's sha256 differs from the one recorded when it was written (damaged or edited)."""
+
+
+class UnsafeCheckpointError(ArtifactError):
+    """A checkpoint file holds Python objects that only unpickling (which can run code) would load."""
+
+
 def plural(kind: str) -> str:
     return {"loss": "losses", "similarity": "similarities"}.get(kind, f"{kind}s")
 
@@ -52,16 +64,18 @@ def close_matches(name: str, known: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(name, list(known), n=n, cutoff=0.5)
 
 
-def choice_error(name: str, value: Any, choices: Iterable[Any]) -> str | None:
-    """The one wording of "not one of the choices" (None when ``value`` is one)."""
+def choice_error(value: Any, choices: Iterable[Any]) -> str | None:
+    """The one wording of "not one of the choices" (None when ``value`` is one); a bool is not
+    taken for 1 or 0 unless the choices hold bools."""
     choices = tuple(choices)
-    if value in choices:
+    bool_allowed = any(isinstance(choice, bool) for choice in choices)
+    if value in choices and (bool_allowed or not isinstance(value, bool)):
         return None
-    return f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}"
+    return f"must be one of {', '.join(map(str, choices))}, got {value!r}"
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise ValueError unless ``value`` is one of ``choices`` (for factories' argument checks)."""
-    message = choice_error(name, value, choices)
+    message = choice_error(value, choices)
     if message:
-        raise ValueError(message)
+        raise ValueError(f"{name} {message}")

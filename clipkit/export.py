@@ -3,7 +3,9 @@
 The JSON names every plugin by its registered name with its arguments, the plugin's
 distribution and version, the preprocessing, the tokenizer and the fixed random-feature
 seed evaluation uses, plus the resolved recipe — enough to rebuild the model with no
-access to the run. ``clipkit eval`` reads only this directory.
+access to the run — and the sha256 of the weights (``files``), checked on load unless
+``--no-verify``. ``clipkit eval`` reads only this directory; every way it can be damaged is
+reported as an :class:`~clipkit.errors.ArtifactError` naming the file.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Any
 import torch
 
 from clipkit import __version__
-from clipkit.errors import ClipkitError
+from clipkit.artifacts import one_line, read_json_object, read_yaml_mapping
+from clipkit.errors import ArtifactError, ClipkitError
+from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
 from clipkit.io import atomic_directory
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
-from clipkit.recipe import SLOTS, get_path, section, validate_or_raise
+from clipkit.recipe import SLOTS, get_path, section, validate, validate_or_raise
 from clipkit.registry import Registry
-from clipkit.train.checkpoint import latest_checkpoint, load_checkpoint
+from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 
 FORMAT = "clipkit-export/1"
 WEIGHTS = "model.safetensors"
@@ -77,14 +81,13 @@ def write_export(model: ContrastiveModel, recipe: dict, out_dir: Path, registry:
     with atomic_directory(out_dir) as building:
         # save_model records tied weights instead of refusing them (save_file raises on shared memory).
         save_model(model, str(building / WEIGHTS), metadata={"format": FORMAT})
+        metadata["files"] = describe_files(building, [WEIGHTS])
         (building / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n", encoding="utf-8")
     return Path(out_dir)
 
 
 def export_run(run_dir: Path, out_dir: Path, registry: Registry, checkpoint: Path | None = None) -> Path:
     """Export the newest (or a given) checkpoint of a run."""
-    from omegaconf import OmegaConf
-
     run_dir = Path(run_dir)
     recipe_path = run_dir / "recipe.yaml"
     if not recipe_path.is_file():
@@ -92,40 +95,82 @@ def export_run(run_dir: Path, out_dir: Path, registry: Registry, checkpoint: Pat
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
         raise ClipkitError(f"{run_dir}: no checkpoint to export (checkpoints/step-*.pt)")
-    recipe = OmegaConf.to_container(OmegaConf.load(recipe_path))
+    recipe = read_yaml_mapping(
+        recipe_path, "the run's recipe", "restore it from the run's clipkit.json or a backup"
+    )
     validate_or_raise(recipe, registry)
     model = build_model(recipe, registry)
-    model.load_state_dict(load_checkpoint(path)["model"])
+    weights = load_checkpoint(path)["model"]
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:  # a checkpoint of another model than recipe.yaml describes
+        raise ArtifactError(
+            f"{Path(path) / STATE}: its weights do not fit the model of {recipe_path} ({one_line(error)})"
+        ) from error
     return write_export(model, recipe, out_dir, registry)
 
 
+#: Keys of clipkit.json that loading reads, with their JSON types.
+REQUIRED = {"format": str, "plugins": dict, "recipe": dict, "model": dict, "preprocessing": dict}
+REDO = "export the run again (clipkit export RUN OUT)"
+
+
 def read_metadata(export_dir: Path) -> dict[str, Any]:
+    """``clipkit.json``, with every key loading needs present and of the right type."""
     path = Path(export_dir) / METADATA
     if not path.is_file():
-        raise ClipkitError(f"{export_dir} is not a clipkit export: {METADATA} is missing")
-    metadata = json.loads(path.read_text(encoding="utf-8"))
+        raise ArtifactError(f"{export_dir} is not a clipkit export: {METADATA} is missing")
+    metadata = read_json_object(path, "the export's metadata", REDO)
     if metadata.get("format") != FORMAT:
-        raise ClipkitError(
-            f"{path}: unsupported export format {metadata.get('format')!r} (expected {FORMAT})"
+        raise ArtifactError(
+            f"{path}: unsupported export format {metadata.get('format')!r} (expected {FORMAT}); {REDO}"
         )
+    for key, kind in REQUIRED.items():
+        if not isinstance(metadata.get(key), kind):
+            found = "missing" if key not in metadata else f"a {type(metadata[key]).__name__}"
+            raise ArtifactError(f"{path}: `{key}` is {found}, expected a JSON {kind.__name__}; {REDO}")
+    for slot, info in metadata["plugins"].items():
+        if not (
+            isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("name"), str)
+        ):
+            raise ArtifactError(f"{path}: plugins.{slot} lacks its `kind` and `name`; {REDO}")
     return metadata
+
+
+def verify_export(export_dir: Path, metadata: dict[str, Any]) -> None:
+    """The weights against the checksums in ``clipkit.json`` (older exports have none: a warning)."""
+    if not policy().verify:
+        return
+    path = Path(export_dir) / METADATA
+    if "files" not in metadata:
+        warn_unverified(path, "the weights are")
+        return
+    verify_files(export_dir, metadata["files"], where=path, what="export")
 
 
 def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel, dict[str, Any]]:
     """Rebuild the model from ``clipkit.json`` and load its weights (strict), in eval mode."""
-    from safetensors.torch import load_model
-
     metadata = read_metadata(export_dir)
     recipe = metadata["recipe"]
     missing = [
-        f"{slot}: {info['kind']} {info['name']!r} (from {info['distribution']} {info['version']})"
+        f"{slot}: {info['kind']} {info['name']!r} (from {info.get('distribution')} {info.get('version')})"
         for slot, info in metadata["plugins"].items()
         if info["name"] not in registry.names(info["kind"])
     ]
     if missing:
         raise ClipkitError(f"{export_dir} needs plugins that are not installed: " + "; ".join(missing))
+    weights = Path(export_dir) / WEIGHTS
+    if not weights.is_file():
+        raise ArtifactError(f"{weights}: missing; the export is incomplete — {REDO}")
+    verify_export(export_dir, metadata)
+    errors = validate(recipe, registry)
+    if errors:
+        listed = "; ".join(errors[:3]) + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else "")
+        raise ArtifactError(
+            f"{Path(export_dir) / METADATA}: its recipe is invalid (edited?): {listed}; {REDO}"
+        )
     model = build_model(recipe, registry)
-    load_model(model, str(Path(export_dir) / WEIGHTS), strict=True)
+    load_weights(model, weights)
     return model.eval(), metadata
 
 
@@ -148,3 +193,44 @@ def load_model(
             ".safetensors state dicts)"
         )
     return found
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """``model.safetensors`` into ``model``: unreadable files, missing or extra tensors, other shapes
+    or dtypes are named errors (``load_state_dict`` would silently cast another dtype)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    expected = model.state_dict()
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                if key not in expected:
+                    continue  # load_model reports unexpected tensors below
+                found = handle.get_slice(key)
+                shape, dtype = list(found.get_shape()), found.get_dtype()
+                want = expected[key]
+                if shape != list(want.shape) or dtype != SAFETENSORS_DTYPES.get(want.dtype):
+                    raise ArtifactError(
+                        f"{path}: tensor {key!r} is {dtype} {shape}, the model needs "
+                        f"{SAFETENSORS_DTYPES.get(want.dtype)} {list(want.shape)}; {REDO}"
+                    )
+        load_model(model, str(path), strict=True)
+    except ArtifactError:
+        raise
+    except Exception as error:  # SafetensorError (bad header, truncated), RuntimeError (missing keys)
+        raise ArtifactError(f"{path}: cannot load the weights ({one_line(error)}); {REDO}") from error
+
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}

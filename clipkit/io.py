@@ -41,9 +41,23 @@ def atomic_directory(path: Path | str) -> Iterator[Path]:
     try:
         yield temporary
         os.chmod(temporary, 0o777 & ~current_umask())  # mkdtemp makes 0700; give what mkdir() would
+        default_permissions(temporary)
         replace_directory(temporary, path)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def default_permissions(directory: Path) -> None:
+    """Give every file under ``directory`` the mode ``open()`` would under the umask (executables
+    keep their x bits). Writers that go through a temporary file (safetensors) leave 0600."""
+    umask = current_umask()
+    for root, directories, files in os.walk(directory):
+        for name in directories:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            file = os.path.join(root, name)
+            executable = os.stat(file).st_mode & 0o100
+            os.chmod(file, (0o777 if executable else 0o666) & ~umask)
 
 
 def replace_directory(finished: Path, target: Path) -> None:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, choice_error, close_matches
+from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, close_matches
 from clipkit.registry import Registry
-from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
+from clipkit.settings_schema import parameter_constraints
 
 
 @dataclass(frozen=True)
@@ -159,13 +159,7 @@ TOP_LEVEL = {
     "loss",
 }
 TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
-PRECISIONS = ("no", "bf16", "fp16")
-NONFINITE = ("stop", "skip")
-STRATEGIES = ("ddp", "deepspeed")
-OFFLOAD = ("none", "cpu")
-PAIRS = ("image_text", "two_view", "vectors")
 TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
-AUGMENT_MODES = ("sample", "batched")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -179,13 +173,13 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 def read_base(name: str, registry: Registry) -> dict:
     """A registered recipe by name, or a YAML file when ``name`` is a path."""
-    from omegaconf import OmegaConf
+    from clipkit.artifacts import read_yaml_mapping
 
     if name.endswith((".yaml", ".yml")) or Path(name).is_file():
         path = Path(name)
         if not path.is_file():
             raise RecipeError(name, [f"recipe file {path} does not exist"])
-        return OmegaConf.to_container(OmegaConf.load(path))
+        return read_yaml_mapping(path, "recipe file", "fix it or name a registered recipe (clipkit recipes)")
     return copy.deepcopy(registry.factory("recipe", registry.get("recipe", name).name)())
 
 
@@ -196,15 +190,19 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     base_name, variant = split_spec(spec)
     recipe = read_base(base_name, registry)
     variants = recipe.pop("variants", None) or {}
+    if not isinstance(variants, dict):
+        raise RecipeError(base_name, ["variants: must be a mapping of variant name -> {key: value}"])
     config = OmegaConf.create(recipe)
     # Variants compose left to right: `wpse@imq+tiny` applies `imq`, then `tiny`.
     for name in variant.split("+") if variant else []:
         if name not in variants:
             raise UnknownNameError("variant", name, variants, where=f"recipe {base_name!r}")
+        if not isinstance(variants[name], dict):
+            raise RecipeError(base_name, [f"variants.{name}: must be a mapping of key -> value"])
         for key, value in variants[name].items():
             apply_override(config, key, value)
     apply_overrides(config, overrides, spec)
-    resolved = OmegaConf.to_container(config, resolve=True)
+    resolved = resolve_interpolations(config, spec)
     train = resolved.get("train")
     if isinstance(train, dict) and train.get("precision") is False:
         train["precision"] = "no"  # YAML 1.1 reads an unquoted `no` (train.precision=no) as false
@@ -213,12 +211,37 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     return resolved
 
 
+def resolve_interpolations(config, where: str) -> dict:
+    """The plain dict of ``config`` with ``${...}`` resolved; a bad interpolation is a RecipeError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "?"
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RecipeError(where, [f"{key}: cannot resolve interpolation ({message})"]) from error
+
+
 def parse_override(item: str, where: str) -> tuple[str, Any]:
     """'optimizer.betas=[0.9,0.95]' -> ('optimizer.betas', [0.9, 0.95]) (values parsed as YAML)."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    from clipkit.artifacts import one_line, yaml_problem
+
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise RecipeError(where, [f"override {item!r} is not of the form key=value"])
-    return key.strip(), parse_value(text)
+    try:
+        return key.strip(), parse_value(text)
+    except yaml.MarkedYAMLError as error:  # the column counts in the whole override, key= included
+        problem = yaml_problem(error, column_offset=len(key) + 1)
+        raise RecipeError(where, [f"override {item!r}: value is not valid YAML ({problem})"]) from error
+    except (yaml.YAMLError, OmegaConfBaseException) as error:
+        problem = f"override {item!r}: value cannot be parsed ({one_line(error)})"
+        raise RecipeError(where, [problem]) from error
 
 
 def parse_value(text: str) -> Any:
@@ -304,7 +327,7 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
         tasks = []
     for i, task in enumerate(tasks):
         errors += check_slot(task, f"eval.{i}", "eval", EVAL_INJECTED, registry)
-    errors += _check_values(recipe)
+    errors += _check_values(recipe, errors)
     return errors
 
 
@@ -334,6 +357,7 @@ def check_arguments(factory, kwargs: dict, path: str, what: str, injected: froze
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     named = {n: p for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     hints = _type_hints(factory)
+    constraints = parameter_constraints(factory)  # Annotated[float, Range(gt=0)] and the like
     errors = []
     for key, value in kwargs.items():
         if key in injected and key in named:
@@ -341,8 +365,10 @@ def check_arguments(factory, kwargs: dict, path: str, what: str, injected: froze
         elif key not in named and not accepts_any:
             accepted = sorted(set(named) - injected)
             errors.append(_unknown_key(f"{path}.{key}", key, accepted, f"for {what}"))
-        elif key in hints:
-            problem = _type_problem(value, hints[key])
+        else:
+            problem = _type_problem(value, hints[key]) if key in hints else None
+            if problem is None and key in constraints:
+                problem = constraints[key].problem(value)
             if problem:
                 errors.append(f"{path}.{key}: {problem}")
     for name, parameter in named.items():
@@ -409,54 +435,36 @@ def _check_section(config: Any, section: str, schema) -> list[str]:
     return errors
 
 
-def _check_values(recipe: dict) -> list[str]:
-    errors = []
-    data, train, model = (recipe.get(k) or {} for k in ("data", "train", "model"))
+def _check_values(recipe: dict, reported: list[str]) -> list[str]:
+    """Ranges and choices of host settings (:data:`clipkit.settings_schema.HOST`), plus the rules
+    that tie settings together; a key whose type is already reported is not reported again."""
+    from clipkit.settings_schema import check_host
+
+    typed = {error.partition(":")[0] for error in reported}
+    errors = [e for e in check_host(recipe) if e.partition(":")[0] not in typed]
+    data, train = (recipe.get(k) or {} for k in ("data", "train"))
     if isinstance(data, dict) and not (data.get("shards") or data.get("source") or data.get("stream")):
         errors.append(
             "data: set `shards` (a shard directory) and/or `source` (a URI to shard from), "
             "or `stream` (a registered batch stream)"
         )
-    if isinstance(train, dict) and train.get("precision", "no") not in PRECISIONS:
-        errors.append(f"train.precision: must be one of {', '.join(PRECISIONS)}")
-    if isinstance(model, dict) and model.get("pair", "image_text") not in PAIRS:
-        errors.append(f"model.pair: must be one of {', '.join(PAIRS)}")
     if isinstance(data, dict):
         errors += _check_augment(data)
         errors += _check_background(data)
     errors += _check_machine(data, train)
     if isinstance(train, dict):
         errors += _check_train(train)
-    for path in ("data.batch_size", "train.steps", "model.embed_dim", "model.image_size"):
-        value = get_path(recipe, path)
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            errors.append(f"{path}: must be > 0, got {value}")
     return errors
 
 
 def _check_train(train: dict) -> list[str]:
-    errors = _check_choice(train, "train", "nonfinite", NONFINITE)
-    errors += _check_choice(train, "train", "compile", COMPILE_MODES)
-    if isinstance(train.get("micro_batch_size", 0), int) and train.get("micro_batch_size", 0) < 0:
-        errors.append("train.micro_batch_size: must be >= 0 (0 = the whole batch at once)")
     distributed = train.get("distributed") or {}
     if not isinstance(distributed, dict):
-        return errors + ["train.distributed: must be a mapping"]
-    errors += _check_section(distributed, "train.distributed", DistributedConfig)
-    errors += _check_choice(distributed, "train.distributed", "strategy", STRATEGIES)
-    errors += _check_choice(distributed, "train.distributed", "offload_optimizer", OFFLOAD)
-    errors += _check_choice(distributed, "train.distributed", "offload_params", OFFLOAD)
-    if distributed.get("zero_stage", 2) not in (0, 1, 2, 3):
-        stage = distributed["zero_stage"]
-        errors.append(f"train.distributed.zero_stage: must be 0, 1, 2 or 3, got {stage!r}")
+        return ["train.distributed: must be a mapping"]
+    errors = _check_section(distributed, "train.distributed", DistributedConfig)
     if distributed.get("offload_params", "none") != "none" and distributed.get("zero_stage", 2) != 3:
         errors.append("train.distributed.offload_params: parameter offload needs zero_stage: 3")
     return errors
-
-
-def _check_choice(config: dict, where: str, key: str, choices: tuple) -> list[str]:
-    message = choice_error(f"{where}.{key}:", config.get(key, choices[0]), choices)
-    return [message] if message else []
 
 
 def distributed_config(recipe: dict) -> DistributedConfig:
@@ -466,8 +474,6 @@ def distributed_config(recipe: dict) -> DistributedConfig:
 
 def _check_augment(data: dict) -> list[str]:
     mode = data.get("augment", "sample")
-    if mode not in AUGMENT_MODES:
-        return [f"data.augment: must be one of {', '.join(AUGMENT_MODES)}, got {mode!r}"]
     if mode == "batched" and (data.get("color_jitter") or data.get("grayscale")):
         return [
             "data.augment: batched augmentation does crop, flip and normalise only; "

@@ -10,8 +10,16 @@ all exclude them; a decayed temperature drifts towards s = 1).
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from clipkit.hookspecs import hookimpl
+from clipkit.settings_schema import Range
+
+# Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges").
+LR = Annotated[float, Range(gt=0)]
+NON_NEGATIVE = Annotated[float, Range(ge=0)]
+STEPS = Annotated[int, Range(ge=0)]
+BETA = Annotated[float, Range(ge=0, lt=1)]
 
 
 def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
@@ -26,10 +34,10 @@ def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
 
 def adamw(
     named_parameters,
-    lr: float = 5e-4,
-    weight_decay: float = 0.2,
+    lr: LR = 5e-4,
+    weight_decay: NON_NEGATIVE = 0.2,
     betas: tuple[float, float] = (0.9, 0.98),
-    eps: float = 1e-6,
+    eps: Annotated[float, Range(gt=0)] = 1e-6,
 ):
     """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only."""
     import torch
@@ -39,10 +47,10 @@ def adamw(
 
 def adam(
     named_parameters,
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
+    lr: LR = 1e-3,
+    weight_decay: NON_NEGATIVE = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: Annotated[float, Range(gt=0)] = 1e-8,
 ):
     """Adam with L2 weight decay coupled into the gradient (y-Aware, seed 002: lr 1e-3, wd 5e-5),
     on matrices only."""
@@ -53,9 +61,9 @@ def adam(
 
 def sgd(
     named_parameters,
-    lr: float = 0.1,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
+    lr: LR = 0.1,
+    momentum: BETA = 0.9,
+    weight_decay: NON_NEGATIVE = 0.0,
     nesterov: bool = False,
 ):
     """SGD with momentum (linear probes, seed 000's protocol)."""
@@ -75,7 +83,12 @@ def warmup_cosine_factor(step: int, total_steps: int, warmup_steps: int, min_rat
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def cosine(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
+def cosine(
+    optimizer,
+    total_steps: int,
+    warmup_steps: STEPS = 0,
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0,
+):
     """Cosine decay with linear warm-up (CLIP, WPSE, NUCLR)."""
     import torch
 
@@ -86,7 +99,7 @@ def cosine(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: flo
     )
 
 
-def constant(optimizer, total_steps: int, warmup_steps: int = 0):
+def constant(optimizer, total_steps: int, warmup_steps: STEPS = 0):
     """Constant lr after an optional linear warm-up."""
     import torch
 
@@ -104,7 +117,13 @@ def cosine_restarts_factor(step: int, warmup_steps: int, cycle_steps: int, min_r
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def cosine_restarts(optimizer, total_steps: int, cycle_steps: int, warmup_steps: int = 0, min_lr_ratio=0.0):
+def cosine_restarts(
+    optimizer,
+    total_steps: int,
+    cycle_steps: Annotated[int, Range(gt=0)],
+    warmup_steps: STEPS = 0,
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0,
+):
     """Cosine annealing with hard restarts every ``cycle_steps`` after a linear warm-up (CLOOB,
     seed 001: cycles of 7 epochs, warm-up 20 000 steps on CC / 10 000 on YFCC)."""
     import torch
@@ -116,7 +135,13 @@ def cosine_restarts(optimizer, total_steps: int, cycle_steps: int, warmup_steps:
     )
 
 
-def step(optimizer, total_steps: int, step_size: int, gamma: float = 0.1, warmup_steps: int = 0):
+def step(
+    optimizer,
+    total_steps: int,
+    step_size: Annotated[int, Range(gt=0)],
+    gamma: Annotated[float, Range(gt=0)] = 0.1,
+    warmup_steps: STEPS = 0,
+):
     """Multiply the lr by ``gamma`` every ``step_size`` steps after an optional linear warm-up
     (y-Aware MRI, seed 002: ×0.9 every 10 epochs)."""
     import torch

@@ -60,17 +60,43 @@ def sha256(path: Path) -> str:
 
 
 def read_manifest(directory: Path | str) -> dict[str, Any]:
+    """``manifest.json`` of a shard directory, checked so that nothing reading it fails later:
+    ``n``, and ``shards`` entries with a plain file ``name`` and a ``count`` adding up to ``n``."""
+    from clipkit.artifacts import read_json_object
+
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise DataError(f"{directory} is not a clipkit shard directory: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}: invalid JSON ({error})") from error
+    redo = "re-shard the source (clipkit shard SOURCE OUT) or restore the directory"
+    manifest = read_json_object(path, "the shard manifest", redo)
     for key in ("n", "shards"):
         if key not in manifest:
-            raise DataError(f"{path}: missing key {key!r}")
+            raise DataError(f"{path}: missing key {key!r}; {redo}")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise DataError(f"{path}: {problem}; {redo}")
     return manifest
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What makes a manifest unusable, or None."""
+    n, shards = manifest["n"], manifest["shards"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return f"`n` must be a non-negative integer, got {n!r}"
+    if not isinstance(shards, list):
+        return f"`shards` must be a list, got {type(shards).__name__}"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            return f"shards[{i}] must be a mapping with name and count"
+        name, count = shard.get("name"), shard.get("count")
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            return f"shards[{i}].name must be a file name in the directory, got {name!r}"
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return f"shards[{i}].count must be a non-negative integer, got {count!r}"
+    total = sum(shard["count"] for shard in shards)
+    if total != n:
+        return f"the shards' counts add up to {total}, but `n` is {n}"
+    return None
 
 
 def shard_urls(directory: Path | str) -> list[str]:

@@ -25,7 +25,7 @@ from clipkit.machine import fit_to_machine
 from clipkit.model import batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import distributed_config, save_recipe, section
 from clipkit.registry import Registry
-from clipkit.train.checkpoint import latest_checkpoint, load_state, restore_trainer
+from clipkit.train.checkpoint import latest_checkpoint, load_state, load_weights, restore_trainer
 from clipkit.train.runtime import Runtime
 from clipkit.types import optional_member
 
@@ -109,8 +109,8 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     if resume and checkpoint_path is None:
         raise ClipkitError(f"{run_dir}: nothing to resume (no complete checkpoints/step-*)")
     state = load_state(checkpoint_path) if checkpoint_path else None
-    if state is not None:
-        runtime.strategy.load_before_prepare(model, optimizer, state)
+    if state is not None and runtime.strategy.state_in_checkpoint_file:
+        load_weights(model, optimizer, state, checkpoint_path)  # before DDP wraps it (all load the same)
     if isinstance(loss, torch.nn.Module):
         loss.to(runtime.device)
     prepared_model, prepared_optimizer = runtime.prepare(model, optimizer)

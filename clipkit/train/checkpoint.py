@@ -7,7 +7,11 @@
   data position, the fp16 loss scaler, the resolved recipe, the number of processes and — without
   DeepSpeed — the model and optimiser;
 - ``rng-<rank>.pt``: every RNG state of each process;
-- ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser.
+- ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser;
+- ``checkpoint.json`` (written last): the sha256 of every other file, checked on load.
+
+Files hold only tensors and plain types and load with ``weights_only=True``: a checkpoint is never
+unpickled (:mod:`clipkit.safe_load`), so a crafted one cannot run code on ``--resume`` or export.
 
 Every process writes into ``.step-00000123.partial/``; when all are done the main process renames
 it to ``step-00000123`` — one atomic rename, so a crash or ``kill -9`` mid-write never leaves a
@@ -17,6 +21,7 @@ Checkpoints of multi-node runs must be on a filesystem every node sees.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,10 +31,15 @@ from typing import Any
 
 import torch
 
-from clipkit.errors import ClipkitError
+from clipkit.errors import ArtifactError, ClipkitError
+from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
+from clipkit.safe_load import check_deepspeed_files, decode_rng, encode_rng, first_line, load_file
 
 PATTERN = re.compile(r"^step-(\d{8})$")
-STATE, DEEPSPEED = "state.pt", "deepspeed"
+STATE, DEEPSPEED, MANIFEST = "state.pt", "deepspeed", "checkpoint.json"
+MANIFEST_FORMAT = "clipkit-checkpoint/1"
+#: Keys of ``state.pt`` that resuming reads, with the types they must have.
+STATE_KEYS = {"step": int, "schedule": dict, "data": dict}
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -72,6 +82,7 @@ def save_checkpoint(
     barrier()
     if is_main:
         _save(building / STATE, {"step": step, **state()})
+        write_manifest(building)
         _fsync_directory(building)
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(building, final)
@@ -90,7 +101,35 @@ def _save(path: Path, value: Any) -> None:
 
 
 def save_rng(directory: Path, rank: int, state: dict[str, Any]) -> None:
-    _save(rng_file(directory, rank), state)
+    """One process's RNG states, as tensors and plain types (loadable without unpickling)."""
+    _save(rng_file(directory, rank), encode_rng(state))
+
+
+def write_manifest(directory: Path) -> None:
+    """``checkpoint.json``: the sha256 of every file in the checkpoint (the main process, last)."""
+    names = [str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file()]
+    manifest = {"format": MANIFEST_FORMAT, "files": describe_files(directory, names)}
+    with open(Path(directory) / MANIFEST, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(manifest, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file against ``checkpoint.json`` (a one-line warning when there is none)."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        warn_unverified(path, "its files are")
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ArtifactError(
+            f"{manifest_path}: not valid JSON ({error}); the checkpoint is damaged"
+        ) from error
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ArtifactError(f"{manifest_path}: not a clipkit checkpoint manifest ({MANIFEST_FORMAT})")
+    verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint")
 
 
 def _fsync_directory(path: Path) -> None:
@@ -114,19 +153,39 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _load(path: Path) -> Any:
-    """Load a file this program wrote (it holds RNG states, hence weights_only=False)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise ClipkitError(f"{path}: cannot read checkpoint ({error})") from error
-
-
 def load_state(path: Path) -> dict[str, Any]:
-    """``state.pt`` of a checkpoint directory (the model only when the run had no DeepSpeed)."""
-    if not (Path(path) / STATE).is_file():
-        raise ClipkitError(f"{path}: not a checkpoint ({STATE} is missing)")
-    return _load(Path(path) / STATE)
+    """``state.pt`` of a checkpoint directory (the model only when the run had no DeepSpeed).
+
+    Checks the whole checkpoint first: every file against ``checkpoint.json`` (unless
+    ``--no-verify``) and, for DeepSpeed runs, that its ZeRO files hold nothing to unpickle.
+    """
+    path = Path(path)
+    if not (path / STATE).is_file():
+        raise ArtifactError(f"{path}: not a checkpoint ({STATE} is missing); resume from another one")
+    if policy().verify:
+        verify_checkpoint(path)
+    if (path / DEEPSPEED).is_dir():
+        check_deepspeed_files(path / DEEPSPEED)
+    state = load_file(path / STATE, "checkpoint state")
+    return check_state(state, path / STATE)
+
+
+def check_state(state: Any, file: Path) -> dict[str, Any]:
+    """Refuse a ``state.pt`` without what resuming reads, naming the key (instead of a KeyError later)."""
+    if not isinstance(state, dict):
+        raise ArtifactError(f"{file}: holds a {type(state).__name__}, not a checkpoint state; it is damaged")
+    for key, kind in STATE_KEYS.items():
+        if not isinstance(state.get(key), kind):
+            found = "missing" if key not in state else f"a {type(state[key]).__name__}"
+            raise ArtifactError(
+                f"{file}: `{key}` is {found}, expected {kind.__name__}; the checkpoint is damaged"
+            )
+    position = state["data"]
+    if not all(isinstance(position.get(k), int) for k in ("epoch", "batch_in_epoch")):
+        raise ArtifactError(
+            f"{file}: `data` lacks the integer epoch/batch_in_epoch; the checkpoint is damaged"
+        )
+    return state
 
 
 def load_rng(path: Path, rank: int) -> dict[str, Any]:
@@ -135,13 +194,28 @@ def load_rng(path: Path, rank: int) -> dict[str, Any]:
         raise ClipkitError(
             f"{path}: no RNG state for process {rank}; resume with the run's number of processes"
         )
-    return _load(file)
+    return decode_rng(load_file(file, "RNG state"), file)
+
+
+def load_weights(model: torch.nn.Module, optimizer: Any, state: dict[str, Any], path: Path) -> None:
+    """Model and optimiser from ``state`` (runs without DeepSpeed), a mismatch reported as the
+    checkpoint's problem rather than a traceback."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
+        raise ArtifactError(
+            f"{Path(path) / STATE}: its model weights do not fit the recipe's model ({first_line(error)}); "
+            f"resume with the recipe the run was trained with"
+        ) from error
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's state with ``model`` always present: the fp32 weights, consolidated from
     the ZeRO partitions for DeepSpeed runs (any stage; no process group needed)."""
     state = load_state(path)
+    if state.get("model") is not None and not isinstance(state["model"], dict):
+        raise ArtifactError(f"{Path(path) / STATE}: `model` is not a state dict; the checkpoint is damaged")
     if state.get("model") is None:
         state["model"] = consolidate_deepspeed(Path(path) / DEEPSPEED)
     return state

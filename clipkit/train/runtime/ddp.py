@@ -96,11 +96,6 @@ class DDPStrategy:
 
     # ------------------------------------------------------------------ state
 
-    def load_before_prepare(self, model, optimizer, state: dict) -> None:
-        """Every process loads the same weights before DDP wraps the model."""
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
     def checkpoint_state(self, model, optimizer) -> dict:
         return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
 
@@ -108,7 +103,7 @@ class DDPStrategy:
         """Nothing per process beyond RNG states: the model is in state.pt."""
 
     def load_sharded(self, model, directory) -> None:
-        """Nothing to load: :meth:`load_before_prepare` did it."""
+        """Nothing to load: the trainer loaded state.pt's model and optimiser before wrapping."""
 
     def full_state_dict(self, model, is_main: bool) -> dict[str, torch.Tensor] | None:
         if not is_main:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from clipkit.errors import ClipkitError
+from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.train.runtime.strategy import HALF, StepResult
 
 
@@ -89,9 +89,6 @@ class DeepSpeedStrategy:
 
     # ------------------------------------------------------------------ state
 
-    def load_before_prepare(self, model, optimizer, state: dict) -> None:
-        """Nothing: the engine loads its partitions in :meth:`load_sharded`."""
-
     def checkpoint_state(self, model, optimizer) -> dict:
         return {"model": None, "optimizer": None}
 
@@ -145,7 +142,14 @@ def consolidate_zero_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
             f"{directory.parent} is a DeepSpeed checkpoint; "
             "install deepspeed (pip install 'clipkit[deepspeed]')"
         ) from error
-    state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
+    try:  # the files passed check_deepspeed_files in load_state: nothing but allowed types to unpickle
+        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
+    except Exception as error:  # DeepSpeed raises ValueError, KeyError, FileNotFoundError, asserts
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ArtifactError(
+            f"{directory}: cannot consolidate the ZeRO partitions ({first_line}); the checkpoint is "
+            f"damaged or incomplete — export another one (--checkpoint)"
+        ) from error
     return {key: value.float().contiguous() for key, value in state.items()}
 
 

@@ -1,0 +1,114 @@
+"""sha256 checksums of artifact files, recorded when written and checked when read.
+
+Exports record their weight files in ``clipkit.json``; checkpoints record every file in
+``checkpoint.json``. Checksums detect damage (a flipped byte, a truncated copy, a file from another
+run), not tampering: whoever can rewrite a file can rewrite its checksum too. Safety against crafted
+files comes from never unpickling them (:mod:`clipkit.safe_load`).
+
+What a load does is set once per command by :func:`loading` (the CLI's ``--no-verify`` and
+``--trust-checkpoint``), so the code between the command and the file need not pass flags along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from clipkit.errors import IntegrityError
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """How artifacts are read: ``verify`` checksums; ``trust_checkpoint`` allows unpickling."""
+
+    verify: bool = True
+    trust_checkpoint: bool = False
+
+
+DEFAULT = LoadPolicy()
+_POLICY: contextvars.ContextVar[LoadPolicy | None] = contextvars.ContextVar(
+    "clipkit_load_policy", default=None
+)
+
+
+def policy() -> LoadPolicy:
+    """The policy of the current command (verify, never unpickle, unless a caller said otherwise)."""
+    return _POLICY.get() or DEFAULT
+
+
+@contextlib.contextmanager
+def loading(*, verify: bool | None = None, trust_checkpoint: bool | None = None) -> Iterator[LoadPolicy]:
+    """Read artifacts under this policy inside the block; None keeps the enclosing block's choice
+    (``api.train`` exports and evaluates under the policy its caller chose)."""
+    current = policy()
+    token = _POLICY.set(
+        LoadPolicy(
+            verify=current.verify if verify is None else verify,
+            trust_checkpoint=current.trust_checkpoint if trust_checkpoint is None else trust_checkpoint,
+        )
+    )
+    try:
+        yield policy()
+    finally:
+        _POLICY.reset(token)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (weights can be larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict]:
+    """``{name: {"sha256": ..., "bytes": ...}}`` for files relative to ``directory``."""
+    directory = Path(directory)
+    return {
+        name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+        for name in sorted(names)
+    }
+
+
+def verify_files(directory: Path, recorded: dict, *, where: Path, what: str) -> None:
+    """Raise :class:`IntegrityError` naming the first file that is missing, resized or altered.
+
+    ``where`` is the file holding the checksums (named in the message); ``what`` says what the
+    directory is ("export", "checkpoint") for the advice.
+    """
+    if not isinstance(recorded, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("sha256"), str) for entry in recorded.values()
+    ):
+        raise IntegrityError(f"{where}: its file checksums are malformed; the {what} cannot be verified")
+    directory = Path(directory)
+    for name, entry in sorted(recorded.items()):
+        path = directory / name
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing (listed in {where.name}); the {what} is incomplete")
+        size = path.stat().st_size
+        if "bytes" in entry and size != entry["bytes"]:
+            raise IntegrityError(
+                f"{path}: {size} bytes, {entry['bytes']} when written (truncated or replaced); "
+                f"the {what} is damaged: copy it again or use another {what}"
+            )
+        actual = sha256_file(path)
+        if actual != entry["sha256"]:
+            raise IntegrityError(
+                f"{path}: sha256 mismatch (recorded {entry['sha256'][:16]}…, found {actual[:16]}…): the file "
+                f"was damaged or edited after it was written; copy it again, use another {what}, or pass "
+                f"--no-verify to load it anyway"
+            )
+
+
+def warn_unverified(path: Path, what: str) -> None:
+    """One line on stderr (through logging) for artifacts written before checksums existed."""
+    log.warning("warning: %s has no checksums (written by an older clipkit); %s not verified", path, what)
