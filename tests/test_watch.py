@@ -18,7 +18,7 @@ from clipkit.errors import ClipkitError
 from clipkit.eval.report import metric_rows, task_label
 from clipkit.hookspecs import hookimpl
 from clipkit.manager import make_plugin_manager
-from clipkit.plugins import progress_log, trackers
+from clipkit.plugins.loggers import progress_log, trackers
 from clipkit.registry import Registry
 
 pytestmark = pytest.mark.timeout(900)
