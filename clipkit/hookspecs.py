@@ -91,8 +91,9 @@ def register_streams(register):
 
     A stream is an iterator of batch dicts (tensors of this process's ``batch_size`` rows and an
     ``index`` [B] long tensor of sample ids) with ``num_samples`` (the epoch size ids are taken
-    modulo), ``epoch`` and ``batch_in_epoch`` attributes, and ``position() -> dict`` /
-    ``restore(position)`` for exact resume. It must yield the same batches after ``restore``.
+    modulo), ``epoch`` and ``batch_in_epoch`` attributes, and ``position() -> dict`` (with integer
+    ``epoch`` and ``batch_in_epoch``) / ``restore(position)`` for exact resume. It must yield the
+    same batches after ``restore``.
     """
 
 

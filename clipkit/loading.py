@@ -112,8 +112,9 @@ def load(
     of B strings to ids [B, L] (None for a two-view image-only model).
     """
     from clipkit.export import load_model
+    from clipkit.registry import default_registry
 
-    contrastive, metadata = load_model(Path(path), registry)
+    contrastive, metadata = load_model(Path(path), registry or default_registry())
     preprocess = Preprocess(contrastive.transform)
     model = Model(contrastive.to(device), metadata, preprocess).eval()
     return model, preprocess, contrastive.tokenizer

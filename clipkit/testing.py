@@ -89,13 +89,20 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     return out
 
 
+def _submodule(module, dotted: str):
+    try:
+        return module.get_submodule(dotted)
+    except AttributeError:
+        return None
+
+
 def check_optional_members(plugin, names: tuple[str, ...]) -> None:
     """The optional members the host reads (:data:`clipkit.types.OPTIONAL_MEMBERS`) have the declared
     types when a plugin sets them: booleans are bools, a projection name names a module."""
     for name in names:
         value = optional_member(plugin, name)
         if name == "projection_module_name":
-            assert value is None or isinstance(getattr(plugin, value, None), torch.nn.Module), (
+            assert value is None or isinstance(_submodule(plugin, value), torch.nn.Module), (
                 f"projection_module_name {value!r} names no sub-module of {type(plugin).__name__}"
             )
         else:

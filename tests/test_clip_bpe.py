@@ -216,6 +216,6 @@ def test_registered_as_clip_bpe():
     registry = Registry(make_plugin_manager(autoload=False))
     assert "clip_bpe" in registry.names("tokenizer")
     entry = registry.get("tokenizer", "clip_bpe")
-    assert entry.plugin == "clipkit.plugins.tokenizers.clip_bpe"
+    assert entry.plugin == "clipkit.plugins.tokenizers"
     built = registry.factory("tokenizer", "clip_bpe")(context_length=32)
     assert isinstance(built, ClipBPETokenizer) and built.context_length == 32

@@ -194,7 +194,7 @@ def test_results_are_copies():
 
 
 def test_package_data_and_licences_ship():
-    folder = importlib.resources.files("clipkit").joinpath("zeroshot")
+    folder = importlib.resources.files("clipkit.plugins.evals").joinpath("zeroshot")
     readme = folder.joinpath("README.md").read_text(encoding="utf-8")
     data = json.loads(folder.joinpath("classnames.json").read_text(encoding="utf-8"))
     licences = {source["licence"] for source in data["sources"].values()}
@@ -205,7 +205,7 @@ def test_package_data_and_licences_ship():
     # (no tomllib on Python 3.10: read the one line of [tool.setuptools.package-data])
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     package_data = pyproject.split("[tool.setuptools.package-data]")[1].split("\n[")[0]
-    assert re.search(r'^"clipkit" = \[[^]]*"zeroshot/\*"', package_data, re.M)
+    assert re.search(r'^"clipkit.plugins.evals" = \[[^]]*"zeroshot/\*"', package_data, re.M)
 
 
 # ---- provenance: every stored list equals its upstream list (needs the project's ../shared/data) ----
@@ -241,7 +241,7 @@ def upstream(origin: str, field: str):
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs the project's shared data folder")
 def test_every_list_matches_its_source():
-    folder = importlib.resources.files("clipkit").joinpath("zeroshot")
+    folder = importlib.resources.files("clipkit.plugins.evals").joinpath("zeroshot")
     names = json.loads(folder.joinpath("classnames.json").read_text(encoding="utf-8"))
     checked = 0
     for dataset, record in names["datasets"].items():

@@ -216,8 +216,8 @@ def test_three_shard_commands_started_together_all_succeed_with_one_set(tmp_path
 def test_training_runs_started_together_share_the_shards_of_their_source(tmp_path):
     """What `clipkit train` does first (ensure_shards), in three processes at once."""
     out = tmp_path / "data" / "shards"
-    script = (
-        "import sys; from clipkit.data.shard import ensure_shards; ensure_shards(sys.argv[1], sys.argv[2])"
+    script = "\n".join(
+        ["import sys", "from clipkit.data.shard_writer import ensure_shards", "ensure_shards(*sys.argv[1:3])"]
     )
     results = start_together([[sys.executable, "-c", script, str(out), CONCURRENT]] * 3, tmp_path)
     for result in results:

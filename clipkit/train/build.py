@@ -1,8 +1,7 @@
 """Build everything the training loop touches from a validated recipe (:func:`build_trainer`).
 
-The recipe's sections are read once here (``Trainer.settings`` is the ``train`` section), the
-batch is split once by the runtime (``runtime.plan``), and the loss's and similarity's optional
-members are read once (``Trainer.loss_requires``, ``Trainer.similarity``).
+The recipe's sections are read once here (``Trainer.settings`` is the ``train`` section) and the
+batch is split once by the runtime (``runtime.plan``).
 """
 
 from __future__ import annotations
@@ -57,11 +56,6 @@ class Trainer:
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
     augment: Any = None  # BatchedDeviceAugment under data.augment: batched
-
-    @property
-    def loss_requires(self) -> frozenset[str]:
-        """The context fields the loss declared (:class:`clipkit.types.Loss`)."""
-        return optional_member(self.loss, "requires")
 
 
 def default_shard_dir(source: str) -> Path:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clipkit.errors import ClipkitError
-from clipkit.types import Logits, LossContext, LossOutput, PointSet
+from clipkit.types import Logits, LossContext, LossOutput, PointSet, optional_member
 
 if TYPE_CHECKING:
     from clipkit.train.build import Trainer
@@ -49,7 +49,7 @@ def contrastive_loss(
     (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
     gradient averaging turns the mean of the local losses into the full-batch loss.
     """
-    rt, loss_fn, similarity = trainer.runtime, trainer.loss, trainer.similarity
+    rt, loss_fn, similarity = trainer.runtime, trainer.loss, similarity_of(trainer)
     a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
     epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
     if rt.local_loss:
@@ -63,12 +63,17 @@ def contrastive_loss(
     return loss_fn(logits, rt.targets(a.batch_size), ctx)
 
 
+def similarity_of(trainer: Trainer):
+    """The plain similarity module inside the (possibly wrapped) model: the one that scores."""
+    return trainer.runtime.unwrap(trainer.model).similarity
+
+
 def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float) -> LossContext:
     """Only the fields the loss declared (in-modal similarities cost two more N×N products).
 
     ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes).
     """
-    requires, similarity = trainer.loss_requires, trainer.similarity
+    requires, similarity = optional_member(trainer.loss, "requires"), similarity_of(trainer)
     fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
     if "in_modal" in requires:
         fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
@@ -83,7 +88,7 @@ def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float
 
 def global_fields(trainer: Trainer, batch: dict) -> dict:
     """The global batch's sample indices and meta-data, gathered only when the loss declared them."""
-    rt, requires, fields = trainer.runtime, trainer.loss_requires, {}
+    rt, requires, fields = trainer.runtime, optional_member(trainer.loss, "requires"), {}
     if "index" in requires:
         fields["index"] = rt.gather_rows(batch["index"])
     if "meta" in requires:
@@ -106,7 +111,7 @@ def handle_nonfinite(trainer: Trainer, step: int, what: str) -> None:
     """Raise unless the recipe says skip — and always for per-sample-state losses, whose state the
     non-finite batch has already corrupted."""
     skip = trainer.settings.nonfinite == "skip"
-    stateful = "index" in trainer.loss_requires
+    stateful = "index" in optional_member(trainer.loss, "requires")
     if skip and not stateful:
         return
     reason = (

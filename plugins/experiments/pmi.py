@@ -371,7 +371,7 @@ class LatentPairStream:
         return {"x": x, "y": y, "index": index}
 
     def position(self) -> dict[str, int]:
-        return {"batches": self.drawn}
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "batches": self.drawn}
 
     def restore(self, position: dict[str, int]) -> None:
         self._restart(int(position["batches"]))

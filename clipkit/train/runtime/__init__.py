@@ -159,6 +159,11 @@ class Runtime:
     def micro_batch_size(self) -> int:
         return self.plan.micro_size
 
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int) -> None:
+        """Re-split this process's share (tests compare micro-batch sizes on one runtime)."""
+        self.plan = BatchPlan.split(self.plan.global_size, value, self.world_size)
+
     @property
     def micro_batches(self) -> int:
         return self.plan.micro_batches
