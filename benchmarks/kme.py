@@ -15,7 +15,11 @@ block-wise forward exceeds ``--flop-budget`` TFLOP are listed, not run.
 Configurations expected to take over 5 s run once, timed inside the profiled run; cheaper ones are
 timed best-of-``--repeats`` after a warm-up, then profiled once more for memory.
 
+Times are process CPU seconds, median (min–max) over ``--repeats`` interleaved rounds; "× speed"
+is the median (min–max) over rounds of naive / block-wise within the same round.
+
     python benchmarks/kme.py [--threads 1] [--dim 512] [--naive-cap-gib 6] [--flop-budget 0.2]
+        [--paper] [--repeats 3] [--skip-tiles] [--skip-wpse] [--only-wpse] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import statistics
 import time
 from functools import partial
 
@@ -41,6 +46,11 @@ GRID_M = (1, 10, 50, 197)
 EXTRA = ((64, 197, 77), (512, 50, 50))
 GIB = 1 << 30
 DEFAULT_TILE_SCORES = kme.TILE_SCORES
+DEFAULT_TILE_EXPONENT = DEFAULT_TILE_SCORES.bit_length() - 1
+#: The paper's shapes (``--paper``): N = 64 … 256 sets of 197 image × 77 text points, and 50 × 50.
+#: (128 × 197 × 77 is left out: its naive run needs ≈ 6 GiB and 4 min of one core per round.)
+PAPER = ((64, 197, 77), (64, 50, 50), (128, 50, 50), (256, 50, 50))
+TILE_SHAPES = ((64, 197, 77), (64, 50, 50), (128, 50, 50))
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,6 +64,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--extra-flop-budget", type=float, default=0.7, help="TFLOP of one forward, EXTRA")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smoke test: N <= 256, M <= 10, no EXTRA")
+    parser.add_argument(
+        "--paper", action="store_true", help="only the paper's shapes (PAPER), then tiles and WPSE"
+    )
+    parser.add_argument("--skip-tiles", action="store_true", help="no tile-size sweep")
+    parser.add_argument("--skip-wpse", action="store_true", help="no WPSE pooling rows")
+    parser.add_argument("--only-wpse", action="store_true", help="only the WPSE pooling rows")
     return parser.parse_args()
 
 
@@ -66,26 +82,31 @@ def point_sets(n: int, mx: int, my: int, dim: int) -> tuple[PointSet, PointSet, 
     return PointSet(u.requires_grad_(), weights.requires_grad_()), PointSet(v.requires_grad_()), gamma
 
 
-def measure(runs: list, expected_seconds: float, repeats: int) -> list[tuple[float, int]]:
-    """[(best seconds, peak bytes)] of each of ``runs``, timed interleaved (a, b, a, b, ...) so that
-    load from other jobs on the machine hits both alike. Runs expected to take over 5 s: one run
-    each, timed inside the profiled run that measures the memory."""
-    if expected_seconds > 5:
-        results = []
+def measure(runs: list, expected_seconds: float, repeats: int) -> list[tuple[list[float], int]]:
+    """[(CPU seconds per round, peak bytes)] of each of ``runs``: a warm-up, then ``repeats`` rounds,
+    each running every run once (a, b, a, b, ...: load from other jobs hits both alike), timed in
+    process CPU time (``time.process_time``: waiting for a shared core does not count). Runs
+    expected to take over 5 s skip the warm-up. Memory from one more, profiled run."""
+    if expected_seconds <= 5:
         for run in runs:
-            start = time.perf_counter()
-            _, peak = peak_allocated_bytes(run)
-            results.append((time.perf_counter() - start, peak))
-        return results
-    best = [math.inf] * len(runs)
-    for run in runs:
-        run()  # warm-up
+            run()  # warm-up
+    seconds = [[] for _ in runs]
     for _ in range(repeats):
         for index, run in enumerate(runs):
-            start = time.perf_counter()
+            start = time.process_time()
             run()
-            best[index] = min(best[index], time.perf_counter() - start)
-    return [(seconds, peak_allocated_bytes(run)[1]) for seconds, run in zip(best, runs, strict=True)]
+            seconds[index].append(time.process_time() - start)
+    return [(times, peak_allocated_bytes(run)[1]) for times, run in zip(seconds, runs, strict=True)]
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """median (min–max)"""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def ratio(slow: list[float], fast: list[float]) -> str:
+    """Median (min–max) over rounds of slow/fast within the same round."""
+    return spread([a / b for a, b in zip(slow, fast, strict=True)], 2)
 
 
 def kme_case(logits_fn, a, b, gamma, backward: bool):
@@ -109,13 +130,23 @@ def main() -> None:
     gemm_rate = measure_gemm_rate(args.dim)
     configs = [(n, m, m) for n in GRID_N for m in GRID_M]
     budgets = {config: args.flop_budget for config in configs}
-    if args.quick:
+    if args.only_wpse:
+        print_header(args, gemm_rate)
+        wpse_rows(args)
+        return
+    if args.paper:
+        configs = list(PAPER)
+        budgets = {config: args.extra_flop_budget for config in configs}
+    elif args.quick:
         configs = [(n, mx, my) for n, mx, my in configs if n <= 256 and mx <= 10]
     else:
         configs += list(EXTRA)
         budgets.update({config: args.extra_flop_budget for config in EXTRA})
     print_header(args, gemm_rate)
-    print("| N | Mx × My | pass | naive s | blockwise s | × speed | naive peak | blockwise peak | memory ÷ |")
+    print(
+        "| N | Mx × My | pass | naive CPU s | blockwise CPU s | × speed (same round) | naive peak "
+        "| blockwise peak | memory ÷ |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     # Per pass: (score-tensor bytes, naive peak / those bytes) of the largest naive run so far.
     largest = {False: (0, 0.0), True: (0, 0.0)}
@@ -137,7 +168,7 @@ def main() -> None:
             if estimate > args.naive_cap_gib * GIB:
                 [(fast_s, fast_peak)] = measure([fast_run], expected, args.repeats)
                 skipped = f"OOM/skipped (would need ≈ {estimate / GIB:.0f} GiB)"
-                row(n, f"{mx} × {my}", name, skipped, f"{fast_s:.3f}", "—", "—", format_bytes(fast_peak), "—")
+                row(n, f"{mx} × {my}", name, skipped, spread(fast_s), "—", "—", format_bytes(fast_peak), "—")
                 continue
             slow_run = kme_case(kme_logits_naive, a, b, gamma, backward)
             (slow_s, slow_peak), (fast_s, fast_peak) = measure([slow_run, fast_run], expected, args.repeats)
@@ -147,27 +178,31 @@ def main() -> None:
                 n,
                 f"{mx} × {my}",
                 name,
-                f"{slow_s:.3f}",
-                f"{fast_s:.3f}",
-                f"{slow_s / fast_s:.2f}",
+                spread(slow_s),
+                spread(fast_s),
+                ratio(slow_s, fast_s),
                 format_bytes(slow_peak),
                 format_bytes(fast_peak),
                 f"{slow_peak / max(fast_peak, 1):.1f}",
             )
-    if not args.quick:
+    if not (args.quick or args.skip_tiles):
         tile_sweep(args)
-    wpse_rows(args)
+    if not args.skip_wpse:
+        wpse_rows(args)
 
 
 def tile_sweep(args: argparse.Namespace) -> None:
     """fwd+bwd seconds of the block-wise path for several ``TILE_SCORES`` (timed interleaved)."""
     exponents = (16, 18, 20, 22)
     print()
-    print("Block-wise fwd+bwd seconds by tile size (automatic tiles of TILE_SCORES scores)")
+    print(
+        "Block-wise fwd+bwd CPU seconds by tile size (automatic tiles of TILE_SCORES scores); "
+        f"[this time / default 2^{DEFAULT_TILE_EXPONENT} time, same round]"
+    )
     print()
     print("| N | Mx × My | " + " | ".join(f"2^{e}" for e in exponents) + " |")
     print("|---|---|" + "---|" * len(exponents))
-    for n, mx, my in ((256, 10, 10), (64, 50, 50), (32, 197, 77)):
+    for n, mx, my in TILE_SHAPES:
         a, b, gamma = point_sets(n, mx, my, args.dim)
 
         def run(exponent, a=a, b=b, gamma=gamma):
@@ -176,7 +211,8 @@ def tile_sweep(args: argparse.Namespace) -> None:
 
         results = measure([partial(run, e) for e in exponents], 0.0, args.repeats)
         kme.TILE_SCORES = DEFAULT_TILE_SCORES
-        row(n, f"{mx} × {my}", *(f"{seconds:.3f}" for seconds, _ in results))
+        default = results[exponents.index(DEFAULT_TILE_EXPONENT)][0]
+        row(n, f"{mx} × {my}", *(f"{spread(seconds)} [{ratio(seconds, default)}]" for seconds, _ in results))
 
 
 def wpse_rows(args: argparse.Namespace) -> None:
@@ -192,7 +228,9 @@ def wpse_rows(args: argparse.Namespace) -> None:
     shape = f"B = {batch}, M = {points}, d = {args.dim}, D = {features}"
     print(f"WPSE pooling z̄ = Σ w·sqrt(2/D)·cos(xω + β): {shape}")
     print()
-    print("| pass | unfused s | fused s | × speed | unfused peak | fused peak | memory ÷ |")
+    print(
+        "| pass | unfused CPU s | fused CPU s | × speed (same round) | unfused peak | fused peak | memory ÷ |"
+    )
     print("|---|---|---|---|---|---|---|")
     for backward in (False, True):
         runs = []
@@ -208,8 +246,9 @@ def wpse_rows(args: argparse.Namespace) -> None:
         results = measure(runs, 0.0, args.repeats)
         (slow, slow_peak), (fast, fast_peak) = results
         print(
-            f"| {'fwd+bwd' if backward else 'forward'} | {slow:.3f} | {fast:.3f} | {slow / fast:.2f} | "
-            f"{format_bytes(slow_peak)} | {format_bytes(fast_peak)} | {slow_peak / max(fast_peak, 1):.0f} |"
+            f"| {'fwd+bwd' if backward else 'forward'} | {spread(slow)} | {spread(fast)} | "
+            f"{ratio(slow, fast)} | {format_bytes(slow_peak)} | {format_bytes(fast_peak)} | "
+            f"{slow_peak / max(fast_peak, 1):.0f} |"
         )
 
 
@@ -219,9 +258,9 @@ def measure_gemm_rate(dim: int) -> float:
     a @ b
     best = math.inf
     for _ in range(5):
-        start = time.perf_counter()
+        start = time.process_time()
         a @ b
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return 2 * 1024 * 1024 * dim / best
 
 

@@ -8,18 +8,23 @@ row once, so drifting load from other processes hits every row alike):
   bicubic (PIL, antialiased), to float tensor, normalise: what a straightforward script does.
 - (a') clipkit's previous path: decode (PIL) + ``ImageTransform.__call__`` (PIL resampling).
 - (b) ``clipkit.data.transforms.decode_transformed`` (torch uint8 bicubic resampling, fused
-  normalisation, JPEG draft decoding when the crop allows it); also without draft, and in two-view
-  mode (one decode, two crops; counted per source image).
+  normalisation, JPEG draft decoding when the crop allows it) with the PIL decoder; with the
+  ``fastjpeg`` extra installed also with simplejpeg (decode straight into numpy; the default
+  then), without draft, with ``fast=True`` (fast IDCT and upsampling), and in two-view mode (one
+  decode, two crops; counted per source image). With simplejpeg, a second floor row: its
+  full-size decode into numpy.
 - (c) shard writing: ``clipkit.api.shard`` of a temporary JSONL table of the photos (repeated to
   ``--shard-images`` rows): samples/s, MB/s of image bytes in and of tar bytes out.
 
-Single process, ``torch.set_num_threads(1)``: figures are per core. Each row is run ``--repeats``
-times over ``--images`` images (the photos cycled, one ``random.Random(i)`` per image), rows
-interleaved in a shuffled order per round; the table gives the median and best img/s. Shard
+Single process, ``torch.set_num_threads(1)``: figures are per core, in process CPU time. Each row
+is run ``--repeats`` times over ``--images`` images (the photos cycled, one ``random.Random(i)``
+per image), rows interleaved in a shuffled order per round; the table gives the median (min–max)
+img/s and, per round, the ratios to (a) and to the decode-only floors. ``--web`` first re-encodes
+the photos in memory as typical web JPEGs (longer side 500–800 px, q85, 4:2:0). Shard
 writing is timed ``--repeats // 2`` times after a warm-up run. Usage (from the repository root):
 
     python benchmarks/loader.py [--images 255] [--image-size 224] [--crop-scale 0.9 1.0]
-        [--data DIR] [--shard-resize N] [--upscale K] [--repeats 10] [--skip-shard | --skip-loader]
+        [--data DIR] [--web] [--shard-resize N] [--upscale K] [--repeats 10] [--skip-shard | --skip-loader]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from clipkit.data.decoders import SimpleJpegDecoder, default_decoder
 from clipkit.data.transforms import ImageTransform, decode_transformed
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -58,6 +64,11 @@ def parse_args() -> argparse.Namespace:
         "--shard-resize", type=int, default=None, help="first re-encode as `clipkit shard -o resize=N` stores"
     )
     parser.add_argument("--upscale", type=float, default=None, help="first upscale K× (bicubic, JPEG q95)")
+    parser.add_argument(
+        "--web",
+        action="store_true",
+        help="first re-encode as typical web JPEGs: longer side 500-800 px, q85, 4:2:0 (seeded)",
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per row (after one warm-up)")
     parser.add_argument("--shard-images", type=int, default=306, help="table rows for the shard benchmark")
     parser.add_argument("--skip-shard", action="store_true", help="skip (c) shard writing")
@@ -78,6 +89,9 @@ def load_photos(args: argparse.Namespace) -> tuple[list[bytes], str]:
     if args.upscale:
         photos = [rescaled(photo, args.upscale) for photo in photos]
         description += f", upscaled {args.upscale}x (bicubic, re-encoded q95)"
+    if args.web:
+        photos = web_jpegs(photos)
+        description += ", re-encoded as web JPEGs (longer side 500-800 px, q85, 4:2:0)"
     if args.shard_resize:
         from clipkit.data.download import resize_image
 
@@ -107,9 +121,21 @@ def rescaled(photo: bytes, factor: float) -> bytes:
     return encode_jpeg(image.resize(size, Image.BICUBIC), 95)
 
 
-def encode_jpeg(image: Image.Image, quality: int) -> bytes:
+def web_jpegs(photos: list[bytes]) -> list[bytes]:
+    """Each photo resized (bicubic) to a longer side drawn from 500-800 px (``random.Random(0)``)
+    and re-encoded at quality 85 with 4:2:0 chroma subsampling, as most web JPEGs are."""
+    rng, out = random.Random(0), []
+    for photo in photos:
+        image = Image.open(io.BytesIO(photo)).convert("RGB")
+        scale = rng.randint(500, 800) / max(image.size)
+        image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BICUBIC)
+        out.append(encode_jpeg(image, 85, subsampling=2))
+    return out
+
+
+def encode_jpeg(image: Image.Image, quality: int, **options) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, "JPEG", quality=quality)
+    image.save(buffer, "JPEG", quality=quality, **options)
     return buffer.getvalue()
 
 
@@ -134,6 +160,12 @@ def torchvision_crop_box(width, height, scale, ratio, rng: random.Random) -> tup
     return left, top, left + w, top + h
 
 
+PIL_FLOOR = "decode only (PIL open + load, full size)"
+FAST_FLOOR = "decode only (simplejpeg, full size, into numpy)"
+PLAIN = "(a) plain PIL loop (RRC box, PIL bicubic, float, normalise)"
+FAST = "(b) decode_transformed, simplejpeg (fastjpeg extra; draft on)"
+
+
 def loader_rows(args: argparse.Namespace, photos: list[bytes]) -> dict[str, callable]:
     """{label: run(i, data) -> images produced} for every timed loader row."""
     size, scale, ratio = args.image_size, tuple(args.crop_scale), (3 / 4, 4 / 3)
@@ -142,6 +174,10 @@ def loader_rows(args: argparse.Namespace, photos: list[bytes]) -> dict[str, call
 
     def decode_only(i: int, data: bytes) -> int:
         Image.open(io.BytesIO(data)).load()
+        return 1
+
+    def decode_only_fast(i: int, data: bytes) -> int:
+        fast_decoder.decode(data, 1)
         return 1
 
     def plain_pil(i: int, data: bytes) -> int:
@@ -158,28 +194,47 @@ def loader_rows(args: argparse.Namespace, photos: list[bytes]) -> dict[str, call
         transform(image, random.Random(i))
         return 1
 
+    def pil_path(i: int, data: bytes) -> int:
+        return len(decode_transformed(data, transform, random.Random(i), "benchmark", decoder=None))
+
     def fast(i: int, data: bytes) -> int:
-        return len(decode_transformed(data, transform, random.Random(i), "benchmark"))
+        return len(decode_transformed(data, transform, random.Random(i), "benchmark", decoder=fast_decoder))
 
     def fast_no_draft(i: int, data: bytes) -> int:
-        return len(decode_transformed(data, transform, random.Random(i), "benchmark", draft=False))
+        options = {"draft": False, "decoder": fast_decoder}
+        return len(decode_transformed(data, transform, random.Random(i), "benchmark", **options))
+
+    def fast_dct(i: int, data: bytes) -> int:
+        return len(decode_transformed(data, transform, random.Random(i), "benchmark", decoder=fast_idct))
 
     def two_views(i: int, data: bytes) -> int:
-        decode_transformed(data, [transform, transform], random.Random(i), "benchmark")
+        decode_transformed(data, [transform, transform], random.Random(i), "benchmark", decoder=fast_decoder)
         return 1  # per source image (each yields two crops)
 
-    return {
-        "decode only (PIL open + load, full size)": decode_only,
-        "(a) plain PIL loop (RRC box, PIL bicubic, float, normalise)": plain_pil,
+    rows = {
+        PIL_FLOOR: decode_only,
+        PLAIN: plain_pil,
         "(a') previous clipkit path: decode + ImageTransform.__call__": previous,
-        "(b) decode_transformed (draft on)": fast,
-        "(b) decode_transformed, draft=False": fast_no_draft,
-        "(b) decode_transformed, two views, per source image": two_views,
+        "(b) decode_transformed, PIL decoder (draft on)": pil_path,
     }
+    fast_decoder = default_decoder()
+    fast_idct = SimpleJpegDecoder(fast=True) if fast_decoder is not None else None
+    if fast_decoder is not None:  # the fastjpeg extra (simplejpeg) is installed
+        rows = {
+            PIL_FLOOR: decode_only,
+            FAST_FLOOR: decode_only_fast,
+            **{label: run for label, run in rows.items() if label != PIL_FLOOR},
+            FAST: fast,
+            "(b) decode_transformed, simplejpeg, draft=False": fast_no_draft,
+            "(b) decode_transformed, simplejpeg fast=True (fastdct, fastupsample)": fast_dct,
+            "(b) decode_transformed, simplejpeg, two views, per source image": two_views,
+        }
+    return rows
 
 
 def time_loader(rows: dict, photos: list[bytes], images: int, repeats: int) -> dict[str, list[float]]:
-    """{label: [images/s per timed run]}: one warm-up pass, then ``repeats`` rounds, each running
+    """{label: [images/s per round]} in process CPU time (``time.process_time``: waiting for a core
+    shared with other jobs does not count): one warm-up pass, then ``repeats`` rounds, each running
     every row once in a shuffled order (so load drift from other processes hits all rows alike)."""
     work = [photos[i % len(photos)] for i in range(images)]
     for run in rows.values():
@@ -191,10 +246,10 @@ def time_loader(rows: dict, photos: list[bytes], images: int, repeats: int) -> d
         random.Random(len(rates[order[0]])).shuffle(order)
         for label in order:
             run = rows[label]
-            start = time.perf_counter()
+            start = time.process_time()
             for i, data in enumerate(work):
                 run(i, data)
-            rates[label].append(images / (time.perf_counter() - start))
+            rates[label].append(images / (time.process_time() - start))
     return rates
 
 
@@ -269,15 +324,29 @@ def main() -> None:
         print_shard_table(args, photos)
 
 
+def ratio_range(values: list[float], reference: list[float]) -> str:
+    """Median (min–max) over rounds of values[r] / reference[r]: ratios within one round."""
+    ratios = [value / ref for value, ref in zip(values, reference, strict=True)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
 def print_loader_table(rates: dict[str, list[float]]) -> None:
-    reference = statistics.median(rates["(a) plain PIL loop (RRC box, PIL bicubic, float, normalise)"])
+    """Medians with the min–max over rounds; ratios are per round (same round, same load)."""
+    floors = [label for label in (PIL_FLOOR, FAST_FLOOR) if label in rates]
     print()
-    print("| path | img/s/core (median) | img/s/core (best) | ms/img (median) | × (a) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| path | img/s/core, CPU time: median (min–max) | ms/img | × (a) | "
+        + " | ".join(f"÷ {'PIL' if label == PIL_FLOOR else 'simplejpeg'} decode floor" for label in floors)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(floors))
     for label, values in rates.items():
         median = statistics.median(values)
+        cells = [ratio_range(values, rates[PLAIN])] + [ratio_range(values, rates[floor]) for floor in floors]
         print(
-            f"| {label} | {median:.0f} | {max(values):.0f} | {1e3 / median:.2f} | {median / reference:.2f} |"
+            f"| {label} | {median:.0f} ({min(values):.0f}–{max(values):.0f}) | {1e3 / median:.2f} | "
+            + " | ".join(cells)
+            + " |"
         )
 
 

@@ -79,23 +79,61 @@ def pmi_fidelity_command(
     points: Annotated[int, typer.Option(help="Points per input M for point-set similarities")] = 8,
     steps: Annotated[int, typer.Option(help="Training steps per similarity")] = 300,
     batch_size: Annotated[int, typer.Option(help="Pairs per InfoNCE batch")] = 128,
-    seed: Annotated[int, typer.Option(help="Seed of the distribution, the models and the batches")] = 0,
+    seed: Annotated[int, typer.Option(help="First training seed (models, batches, features)")] = 0,
+    seeds: Annotated[
+        int, typer.Option(help="Training seeds seed … seed+N−1; N ≥ 2 reports mean ± 95 % interval")
+    ] = 1,
+    topics: Annotated[int, typer.Option(help="Latent topics K of the pair distribution")] = 8,
+    separation: Annotated[float, typer.Option(help="Std of the topics' means (noise std is 1)")] = 1.0,
+    input_dim: Annotated[int, typer.Option(help="Dimension of the inputs x and y")] = 8,
+    task_seed: Annotated[int, typer.Option(help="Seed of the distribution (the task)")] = 0,
+    hidden: Annotated[int, typer.Option(help="Hidden width of the tiny encoders")] = 64,
+    lr: Annotated[float, typer.Option(help="Adam learning rate")] = 3e-3,
+    eval_batches: Annotated[int, typer.Option(help="Held-out batches the metrics use")] = 4,
+    kme_init_gamma: Annotated[
+        float, typer.Option(help="KME's learnable γ start (recipe default 1/0.07)")
+    ] = None,
+    kme_max_gamma: Annotated[
+        float, typer.Option(help="KME's γ clamp (recipe default 100, CLIP's scale clamp); ≤ 0: none")
+    ] = None,
 ):
     """Rank similarities by how well they learn the true PMI of a synthetic pair distribution."""
     from clipkit.commands import registry
-    from clipkit.plugins.experiments.pmi import run_pmi_benchmark
+    from clipkit.plugins.experiments.pmi import LatentPairDistribution, run_pmi_benchmark
+    from clipkit.plugins.experiments.pmi_study import run_pmi_study, study_table, with_kme_gamma
 
+    specs = with_kme_gamma(similarity_specs(similarity or []), kme_init_gamma, kme_max_gamma)
+    options = dict(
+        embed_dim=embed_dim,
+        points=points,
+        steps=steps,
+        batch_size=batch_size,
+        hidden=hidden,
+        lr=lr,
+        eval_batches=eval_batches,
+        registry=registry(),
+    )
     try:
-        report = run_pmi_benchmark(
-            similarity_specs(similarity or []),
-            embed_dim=embed_dim,
-            points=points,
-            steps=steps,
-            batch_size=batch_size,
-            seed=seed,
-            out_dir=out,
-            registry=registry(),
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        if seeds > 1:
+            study = run_pmi_study(
+                specs,
+                seeds=tuple(range(seed, seed + seeds)),
+                topics=topics,
+                separation=separation,
+                input_dim=input_dim,
+                task_seed=task_seed,
+                out_dir=out,
+                **options,
+            )
+            typer.echo(study_table(study))
+            typer.echo(f"wrote {out}/pmi_study.json, .md, .png ({len(study['summary'])} similarities)")
+            return
+        distribution = LatentPairDistribution(
+            topics, input_dim, input_dim, separation=separation, seed=task_seed
         )
+        report = run_pmi_benchmark(specs, seed=seed, out_dir=out, distribution=distribution, **options)
     except ValueError as error:  # bad sizes or similarity specs
         raise ClipkitError(f"pmi-fidelity: {error}") from None
     typer.echo((out / "pmi_fidelity.md").read_text(encoding="utf-8"))

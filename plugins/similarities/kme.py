@@ -372,10 +372,16 @@ def _points_as(x: PointSet, dtype: torch.dtype) -> PointSet:
 class KMESimilarity(nn.Module):
     """KME-CLIP (METHODS.md §3): L_ab = log Σ_ij w_i w'_j exp(γ(u_i·v_j − 1)), γ = exp(t).
 
-    init_gamma:  initial γ = 1/σ² (1/0.07, so that M = 1 starts exactly as CLIP's logit scale).
+    init_gamma:  initial γ = 1/σ² (1/0.07, so that M = 1 starts exactly as CLIP's logit scale:
+                 seed 003 Prop. 2, METHODS §3; the paper learns σ through a reparameterisation
+                 but its legible text gives no numeric start; WPSE's official code starts its
+                 logit scale at 14.29 = 1/0.07 too, METHODS §11). A recipe sets it as
+                 ``similarity: {name: kme, init_gamma: ...}``; ``clipkit experiment
+                 pmi-fidelity --kme-init-gamma`` for the PMI study.
     learn_gamma: learn t = log γ; otherwise γ is a fixed buffer.
-    max_gamma:   γ is clamped to at most this in the forward pass (like CLIP's scale: 100), which
-                 stops its gradient above the clamp; None = no clamp.
+    max_gamma:   γ is clamped to at most this in the forward pass (CLIP's and WPSE's official
+                 logit-scale clamp: 100), which stops its gradient above the clamp; None = no
+                 clamp (recipe ``max_gamma: null``; ``--kme-max-gamma 0`` in the PMI study).
     block_size:  anchors (= candidates) per tile of the block-wise computation; a tile holds
                  block_size²·Mx·My fp32 scores (16² · 197 · 77 ≈ 3.9 M floats ≈ 16 MB for ViT-B/16).
                  None (default): tiles of about 2^20 scores whatever Mx, My (:func:`tile_shape`).

@@ -196,6 +196,11 @@ def _row_chunks(points: Tensor, num_features: int) -> list[slice]:
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
 
 
+def _chunk_values(chunks: list[slice], per_row: int) -> int:
+    """Values in the largest chunk (the first): the size of a scratch buffer every chunk reuses."""
+    return (chunks[0].stop - chunks[0].start) * per_row if chunks else 0
+
+
 class _PooledRandomFeatures(torch.autograd.Function):
     """z̄_b = c Σ_m w_bm cos(x_bm·ω + β), c = sqrt(2/D), chunk by chunk of batch rows.
 
@@ -214,8 +219,14 @@ class _PooledRandomFeatures(torch.autograd.Function):
         batch, num_points, dim = points.shape
         scale = math.sqrt(2 / omega.shape[1])
         pooled = points.new_empty(batch, omega.shape[1])
-        for rows in _row_chunks(points, omega.shape[1]):
-            phases = torch.addmm(beta, points[rows].reshape(-1, dim), omega)  # P [r·M, D]
+        chunks = _row_chunks(points, omega.shape[1])
+        # One scratch buffer for every chunk: a fresh multi-MiB tensor per chunk costs page faults.
+        buffer = points.new_empty(_chunk_values(chunks, num_points * omega.shape[1]))
+        for rows in chunks:
+            flat = points[rows].reshape(-1, dim)
+            phases = torch.addmm(
+                beta, flat, omega, out=buffer[: flat.shape[0] * omega.shape[1]].view(-1, omega.shape[1])
+            )
             cosines = phases.cos_().view(-1, num_points, omega.shape[1])
             pooled[rows] = torch.bmm(weights[rows].unsqueeze(1), cosines).squeeze(1).mul_(scale)
         ctx.save_for_backward(points, weights, omega, beta)
@@ -231,12 +242,19 @@ class _PooledRandomFeatures(torch.autograd.Function):
         scale = math.sqrt(2 / count)
         grad_points = points.new_empty(points.shape) if need_points else None  # contiguous
         grad_weights = weights.new_empty(weights.shape) if need_weights else None
-        for rows in _row_chunks(points, count):
-            phases = torch.addmm(beta, points[rows].reshape(-1, dim), omega).view(-1, num_points, count)
+        chunks = _row_chunks(points, count)
+        size = _chunk_values(chunks, num_points * count)
+        buffer, sine_buffer = points.new_empty(size), points.new_empty(size if need_points else 0)
+        for rows in chunks:
+            flat = points[rows].reshape(-1, dim)
+            values = flat.shape[0] * count
+            phases = torch.addmm(beta, flat, omega, out=buffer[:values].view(-1, count))
+            phases = phases.view(-1, num_points, count)
             upstream = grad_pooled[rows].unsqueeze(-1)  # [r, D, 1]
             if need_points:
                 # −c w_bm g_bt sin P_bmt, then one GEMM with ωᵀ straight into the gradient's rows.
-                sines = phases.sin().mul_(grad_pooled[rows].unsqueeze(1))
+                sines = torch.sin(phases, out=sine_buffer[:values].view_as(phases))
+                sines.mul_(grad_pooled[rows].unsqueeze(1))
                 sines.mul_(weights[rows].unsqueeze(-1) * -scale)
                 torch.mm(sines.view(-1, count), omega.t(), out=grad_points[rows].view(-1, dim))
             if need_weights:
