@@ -1,5 +1,6 @@
 """PMI-fidelity study over seeds: mean ± 95 % interval of each similarity's correlation with the
-true PMI and its InfoNCE gap to the Bayes optimum (METHODS §8; one run is :mod:`clipkit.plugins.experiments.pmi`).
+true PMI and its InfoNCE gap to the Bayes optimum (METHODS §8; one run is
+:mod:`clipkit.plugins.experiments.pmi`).
 
 One seed proves nothing (single-seed Pearson r moved by 0.1 between seeds in issue 20), so
 :func:`run_pmi_study` repeats :func:`clipkit.plugins.experiments.pmi.run_pmi_benchmark` on one fixed task (the
@@ -52,7 +53,8 @@ def with_kme_gamma(
     similarities: Sequence[dict | str] | None, init_gamma: float | None, max_gamma: float | None
 ) -> list[dict | str] | None:
     """The entries with KME's γ start / clamp set on every ``kme`` entry that does not set its own
-    (None entries = :data:`clipkit.plugins.experiments.pmi.DEFAULT_SIMILARITIES`). ``max_gamma`` ≤ 0 means no clamp."""
+    (None entries = :data:`clipkit.plugins.experiments.pmi.DEFAULT_SIMILARITIES`). ``max_gamma`` ≤ 0
+    means no clamp."""
     from clipkit.plugins.experiments.pmi import DEFAULT_SIMILARITIES
 
     if init_gamma is None and max_gamma is None:
