@@ -28,7 +28,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from clipkit.errors import ClipkitError
 from clipkit.hookspecs import hookimpl
@@ -138,14 +138,12 @@ def need(module: str, tracker: str):
         ) from None
 
 
-class Tracker:
+class Tracker(Protocol):
     """One open tracker: ``log(numbers, step)`` and ``finish(status)``."""
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+    def log(self, values: dict[str, float], step: int) -> None: ...
 
-    def finish(self, status: str) -> None:
-        raise NotImplementedError
+    def finish(self, status: str) -> None: ...
 
 
 def recipe_yaml(recipe: dict) -> str:
