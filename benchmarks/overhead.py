@@ -187,6 +187,7 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
             f"data.shards={root / ('shards-' + name)}",
             f"data.source={source}",
             "data.num_workers=0",
+            f"train.threads={torch.get_num_threads()}",  # keep --threads (train.threads would pick the CPUs)
             f"train.steps={steps}",
             f"train.checkpoint_every={steps}",  # the checkpoint is written in the last (untimed) step
             "train.export=false",
