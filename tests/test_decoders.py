@@ -148,3 +148,24 @@ def test_a_decoder_failure_falls_back_to_pil_with_the_generator_rewound():
     (out,) = decode_transformed(data, transform, rng, "x", decoder=FailingDecoder())
     (expected,) = decode_transformed(data, transform, pil_rng, "x", decoder=None)
     assert torch.equal(out, expected) and rng.getstate() == pil_rng.getstate()
+
+
+def test_exif_turned_jpegs_go_the_pil_way():
+    """simplejpeg ignores EXIF: a JPEG whose orientation asks for a turn must not take its path."""
+    import io
+
+    from PIL import Image
+
+    from clipkit.data.decoders import turned
+
+    image = Image.new("RGB", (8, 4), (200, 10, 10))
+    plain, rotated = io.BytesIO(), io.BytesIO()
+    image.save(plain, format="JPEG")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    image.save(rotated, format="JPEG", exif=exif.tobytes())
+    assert not turned(plain.getvalue()) and turned(rotated.getvalue())
+    exif[0x0112] = 1
+    upright = io.BytesIO()
+    image.save(upright, format="JPEG", exif=exif.tobytes())
+    assert not turned(upright.getvalue())

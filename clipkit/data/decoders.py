@@ -68,6 +68,8 @@ class SimpleJpegDecoder:
             return None
         if colourspace not in ("YCbCr", "Gray"):  # CMYK / YCCK: PIL converts those
             return None
+        if turned(data):  # an EXIF orientation: the PIL path shows the image upright
+            return None
         return width, height
 
     def decode(self, data: bytes, factor: int) -> tuple[np.ndarray, int]:
@@ -88,6 +90,24 @@ class SimpleJpegDecoder:
         if -(-width // applied) != pixels.shape[1] or -(-height // applied) != pixels.shape[0]:
             raise ValueError(f"unexpected scaled size {pixels.shape[:2]} of {height}x{width}")
         return pixels, applied
+
+
+def turned(data: bytes) -> bool:
+    """Whether a JPEG's EXIF orientation asks for a turn or flip (simplejpeg ignores EXIF). Only
+    files with an EXIF block (found in the first 64 KiB, where APP1 must be) pay for reading it."""
+    if b"Exif\x00\x00" not in data[:65536]:
+        return False
+    import io
+
+    from PIL import Image
+
+    from clipkit.data.image_modes import exif_orientation
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return exif_orientation(image) != 1
+    except Exception:  # unreadable: the PIL path reports it
+        return True
 
 
 @functools.cache
