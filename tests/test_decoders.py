@@ -17,25 +17,11 @@ from clipkit.data.transforms import ImageTransform, ResizedUInt8, decode_transfo
 from clipkit.errors import DataError
 
 simplejpeg = pytest.importorskip("simplejpeg")
+from test_decode_transformed import encode, textured_image  # noqa: E402  (the same test images)
+
 from clipkit.data.decoders import SimpleJpegDecoder  # noqa: E402
 
 LEVELS = {"mean": (0.0, 0.0, 0.0), "std": (1 / 255, 1 / 255, 1 / 255)}  # outputs in grey levels
-
-
-def textured_image(width: int, height: int, period: float = 41) -> Image.Image:
-    """Ramps plus stripes (as in test_decode_transformed): a sub-pixel crop shift shows."""
-    x = np.arange(width, dtype=np.float32)[None, :].repeat(height, 0)
-    y = np.arange(height, dtype=np.float32)[:, None].repeat(width, 1)
-    red = 128 + 60 * np.sin(2 * np.pi * x / period) + 40 * np.cos(2 * np.pi * y / (0.7 * period))
-    green = 127.5 * (x / width + y / height)
-    blue = 128 + 90 * np.sin(2 * np.pi * (x + 2 * y) / (1.6 * period))
-    return Image.fromarray(np.clip(np.stack([red, green, blue], -1), 0, 255).astype(np.uint8), "RGB")
-
-
-def encode(image: Image.Image, format: str, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format, **options)
-    return buffer.getvalue()
 
 
 def test_default_decoder_is_simplejpeg_and_follows_the_protocol():
