@@ -519,6 +519,8 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once
+        if result.get("warning"):
+            table.add_row(task, "[yellow]warning[/yellow]", escape(result["warning"]))
     for key, value in (summary or {}).items():
         table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}")
     console().print(table)

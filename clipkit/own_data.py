@@ -174,6 +174,7 @@ USER_KNOBS = (
     ("data.holdout", "fraction held out of training for evaluation (--holdout)"),
     ("data.background", "colour transparent pixels are composited onto"),
     ("data.batch_size", "samples per step over all processes (lower it for a small table)"),
+    ("data.fit_batch", "lower data.batch_size to a table smaller than one batch (tiny variants: on)"),
     ("train.steps", "optimiser steps"),
     ("model.image_size", "input side in pixels"),
     ("data.num_workers", "loader processes (auto: from the usable CPUs)"),

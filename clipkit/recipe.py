@@ -57,6 +57,9 @@ class DataConfig:
     source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
     stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
     batch_size: int = 128
+    # Lower batch_size to what the training split holds when it holds less than one batch (with a
+    # notice) instead of refusing: the tiny variants set it so they run on a small table as given.
+    fit_batch: bool = False
     num_workers: int | str = "auto"  # loader processes; auto: from the usable CPUs (clipkit.machine)
     shuffle_buffer: int = 1000
     resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling

@@ -10,7 +10,13 @@ import torch
 
 from clipkit import api
 from clipkit.errors import ClipkitError, DataError
-from clipkit.eval.evaluate import feature_seeds, mean_and_std, topk_accuracy
+from clipkit.eval.evaluate import (
+    MIN_EVAL_SAMPLES,
+    feature_seeds,
+    mean_and_std,
+    small_set_warning,
+    topk_accuracy,
+)
 from clipkit.eval.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
 from clipkit.plugins.evals.retrieval import first_hit_ranks, recall_curves, recalls
 from clipkit.plugins.evals.zero_shot import ZeroShot
@@ -162,6 +168,17 @@ def test_markdown_table_folds_std_and_chance():
     assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× chance) |" in text
     assert "| zero_shot_top1_mean | 0.4000 |" in text
     assert "top1_std" not in text and "chance |" not in text
+
+
+def test_scores_over_too_few_samples_carry_a_warning_into_the_report():
+    few = {"name": "retrieval", "data": "holdout:x?fraction=0.05", "n_images": 1, "i2t_R@1": 1.0}
+    assert "only 1 sample(s)" in small_set_warning(few) and "--holdout" in small_set_warning(few)
+    assert small_set_warning({**few, "n_images": MIN_EVAL_SAMPLES}) is None
+    assert "only 4 sample(s): each moves a score by 25%" in small_set_warning({"n": 4, "top1": 0.5})
+    assert small_set_warning({"n_train": 3, "n_test": 50}) is None  # the test set is what is scored
+    assert small_set_warning({"top1": 0.5}) is None  # no count, no claim
+    text = markdown_table({"results": [{**few, "warning": small_set_warning(few)}]})
+    assert "| retrieval x[held-out 5%] | i2t_R@1 | 1.0000 |\n|  | *warning* | only 1 sample(s)" in text
 
 
 def test_write_eval_report_writes_json_markdown_and_plots(tmp_path):

@@ -103,3 +103,21 @@ def test_an_empty_value_clears_a_text_setting(registry):
     recipe = load_recipe("clip@tiny", ["data.shards=my/shards", "data.source="], registry=registry)
     assert recipe["data"]["source"] == "" and recipe["data"]["shards"] == "my/shards"
     assert validate(recipe, registry) == []
+
+
+def test_cloob_tiny_runs_one_cosine_cycle_over_however_many_steps_it_is_given(registry):
+    """The tiny variant's restart cycle follows train.steps (a fixed 10-step cycle would restart the
+    lr every 10 steps of a long run on a user's table)."""
+    assert load_recipe("cloob@tiny", [], registry=registry)["schedule"]["cycle_steps"] == 20
+    recipe = load_recipe("cloob@tiny", ["train.steps=3000"], registry=registry)
+    assert recipe["schedule"]["cycle_steps"] == 3000 and recipe["schedule"]["name"] == "cosine_restarts"
+    assert load_recipe("cloob", [], registry=registry)["schedule"]["cycle_steps"] == 39648  # paper's
+
+
+def test_every_tiny_variant_fits_its_batch_to_small_data(registry):
+    for name in registry.names("recipe"):
+        spec = f"{name}@tiny" if "tiny" in variants_of(name, registry) else None
+        if spec:
+            assert load_recipe(spec, [], registry=registry)["data"]["fit_batch"] is True, spec
+    assert load_recipe("quickstart", [], registry=registry)["data"]["fit_batch"] is True
+    assert load_recipe("clip", [], registry=registry)["data"].get("fit_batch", False) is False

@@ -364,3 +364,21 @@ def test_unquoted_no_precision_means_fp32(registry):
     """`train.precision=no` on a command line is YAML's boolean false; it means fp32, as written."""
     recipe = validate_or_raise(load_recipe(SMOKE, ["train.precision=no"], registry=registry), registry)
     assert recipe["train"]["precision"] == "no"
+
+
+@pytest.mark.parametrize(
+    ("micro", "samples", "expected"),
+    [(0, 30, (30, 30)), (8, 30, (24, 8)), (8, 100, (64, 8)), (0, 1, (64, 64))],
+)
+def test_fit_batch_lowers_the_batch_to_what_the_data_holds(micro, samples, expected, capsys):
+    """data.fit_batch: 64 -> the most the samples allow, a multiple of the micro-batch; a batch that
+    fits, or data too small for any contrastive batch (the stream's own check explains it), stays."""
+    from clipkit.recipe import DistributedConfig
+    from clipkit.train.build import fit_batch_to_data
+    from clipkit.train.runtime import Runtime
+
+    runtime = Runtime(precision="no", seed=0, distributed=DistributedConfig(), global_batch_size=64,
+                      micro_batch_size=micro, grad_clip=0.0)  # fmt: skip
+    fit_batch_to_data(runtime, samples, "shards")
+    assert (runtime.plan.global_size, runtime.plan.micro_size) == expected
+    assert ("data.batch_size -> " in capsys.readouterr().out) == (expected[0] != 64)

@@ -23,6 +23,7 @@ and every count above is of the samples kept (counted once, from the tars' json 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import random
@@ -105,19 +106,63 @@ def record_held_out(record: dict[str, Any], holdout: float) -> bool:
     return is_held_out(record_key(record.get("json", b"{}"), record.get("__key__", "")), holdout)
 
 
-def kept_count(url: str, holdout: float) -> int:
-    """Samples of one tar outside the held-out split (reads only the json members)."""
+@dataclass(frozen=True)
+class TrainingSplit:
+    """What training sees of a shard set: ``counts`` [(tar path, samples it gives training)] in
+    manifest order, and the sorted global indices of the ``held_out`` samples (``data.holdout``)."""
+
+    counts: list[tuple[str, int]]
+    held_out: tuple[int, ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        return sum(count for _, count in self.counts)
+
+    def position(self, index: int) -> int:
+        """A kept sample's global index -> its place among the training samples, so per-sample
+        state (NUCLR's ζ, SogCLR's u) is indexed 0 .. num_samples - 1 with a held-out split too."""
+        return index - bisect.bisect_left(self.held_out, index)
+
+
+def training_split(shards, holdout: float = 0.0) -> TrainingSplit:
+    """The :class:`TrainingSplit` of ``shards``; with a ``holdout`` each tar's json members are read."""
+    manifest = read_manifest(shards)
+    counts = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
+    if holdout <= 0:
+        return TrainingSplit(counts)
+    kept_counts, held_out = [], []
+    for url, _ in counts:
+        kept, held = split_tar(url, holdout)
+        kept_counts.append((url, kept))
+        held_out += held
+    return TrainingSplit(kept_counts, tuple(sorted(held_out)))
+
+
+def split_tar(url: str, holdout: float) -> tuple[int, list[int]]:
+    """(samples of one tar outside the held-out split, global indices of those inside it); reads
+    only the json members."""
     import tarfile
 
     from clipkit.own_data import is_held_out
 
-    kept = 0
+    kept, held = 0, []
     with tarfile.open(url) as tar:
         for member in tar:
             name, _, field = member.name.partition(".")
             if member.isfile() and field == "json":
-                kept += not is_held_out(record_key(tar.extractfile(member).read(), name), holdout)
-    return kept
+                record = tar.extractfile(member).read()
+                if is_held_out(record_key(record, name), holdout):
+                    held.append(record_index(record, name))
+                else:
+                    kept += 1
+    return kept, held
+
+
+def record_index(json_bytes: bytes, name: str) -> int:
+    try:
+        return int(json.loads(json_bytes)["index"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{name}: its json has no integer `index` (shards from `clipkit shard` do)") from error
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -138,12 +183,13 @@ class EpochDataset(torch.utils.data.IterableDataset):
         meta_keys=None,
         rank=0,
         holdout=0.0,
+        held_out=(),
     ):
         self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
         self.shuffle_buffer, self.views = shuffle_buffer, views
         self.meta_keys = dict(meta_keys or {})
-        self.holdout = holdout
+        self.holdout, self.positions = holdout, TrainingSplit([], tuple(held_out))
 
     def record_batches(self) -> Iterator[list[dict[str, Any]]]:
         """The rank's batches of raw records, in order (identical in every worker)."""
@@ -167,7 +213,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Decode raw records into a batch: image [B,3,S,S] (and image2 in two-view mode),
-        text [B,L] token ids, index [B] global indices, meta {name: list}."""
+        text [B,L] token ids, index [B] places among the training samples (the global indices when
+        nothing is held out), meta {name: list}."""
         samples = [decode_record(record, "shards") for record in records]
         rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
         # One decode per sample for all its views; each sample's rng draws view 1, view 2, caption.
@@ -178,7 +225,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         ]
         batch: dict[str, Any] = {
             "image": torch.stack([v[0] for v in views]),
-            "index": torch.tensor([int(s.meta["index"]) for s in samples], dtype=torch.long),
+            # Places among the training samples (0 .. n-1 also when a held-out split is left out).
+            "index": torch.tensor([self.positions.position(int(s.meta["index"])) for s in samples]),
             "meta": batch_meta(samples, self.meta_keys),
         }
         if self.views == 2:
@@ -217,7 +265,8 @@ class BatchStream:
     ``rank``/``world_size`` are this process's place in the launch (the trainer passes the
     runtime's; the loader never asks torch.distributed itself); ``resampled`` draws each epoch's
     shards with replacement (the WebDataset "resampled" mode, but seeded); ``holdout`` leaves
-    the held-out split out (see the module docs).
+    the held-out split out (see the module docs); ``split`` is its :func:`training_split` when the
+    caller has it already.
     """
 
     def __init__(
@@ -236,13 +285,11 @@ class BatchStream:
         rank=0,
         world_size=1,
         holdout=0.0,
+        split=None,
     ):
-        manifest = read_manifest(shards)
-        self.shards = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
         self.holdout = float(holdout)
-        if self.holdout > 0:
-            self.shards = [(url, kept_count(url, self.holdout)) for url, _ in self.shards]
-        self.num_samples = sum(count for _, count in self.shards)
+        self.split = split if split is not None else training_split(shards, self.holdout)
+        self.shards, self.num_samples = self.split.counts, self.split.num_samples
         self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
         self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
         self.views, self.resampled = views, resampled
@@ -298,5 +345,6 @@ class BatchStream:
             meta_keys=self.meta_keys,
             rank=self.rank,
             holdout=self.holdout,
+            held_out=self.split.held_out,
         )
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

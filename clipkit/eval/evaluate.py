@@ -145,12 +145,34 @@ def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry
         try:
             task = build_slot(registry, "eval", config, f"eval.{i}")
             result = {"name": config["name"], **task(model, registry)}
+            warning = small_set_warning(result)
+            if warning:
+                result["warning"] = warning
         except Exception as error:  # noqa: BLE001 — reported in the suite's results, never lost
             message = str(error) if isinstance(error, ClipkitError) else f"{type(error).__name__}: {error}"
             described = {k: config[k] for k in ("data", "label", "dataset") if config.get(k) is not None}
             result = {"name": config.get("name", "?"), **described, "failed": message}
         results.append(result)
     return results
+
+
+#: Fewer evaluated samples than this get a ``warning`` in their result: one sample then moves a
+#: score by more than 5 points, so such a score cannot tell two runs apart.
+MIN_EVAL_SAMPLES = 20
+#: The sample counts the built-in tasks report, by key.
+SAMPLE_COUNT_KEYS = ("n_images", "n", "n_test")
+
+
+def small_set_warning(result: dict) -> str | None:
+    """A warning when ``result`` was computed on fewer than :data:`MIN_EVAL_SAMPLES` samples."""
+    counts = [result[key] for key in SAMPLE_COUNT_KEYS if isinstance(result.get(key), int)]
+    if not counts or min(counts) >= MIN_EVAL_SAMPLES:
+        return None
+    n = min(counts)
+    return (
+        f"only {n} sample(s): each moves a score by {1 / n:.0%}, too few to compare runs "
+        f"(hold out more with --holdout, or add --eval-data)"
+    )
 
 
 def failed_tasks(results: Iterable[dict]) -> list[dict]:

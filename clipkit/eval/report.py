@@ -125,6 +125,8 @@ def markdown_table(report: dict) -> str:
         for metric, value in metric_rows(result):
             lines.append(f"| {name} | {metric} | {value} |")
             name = ""
+        if result.get("warning"):
+            lines.append(f"| {name} | *warning* | {result['warning']} |")
     summary = report.get("summary") or {}
     if summary:
         lines += ["", "| average | value |", "| --- | --- |"]

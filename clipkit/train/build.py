@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from clipkit.data.loader import BatchStream
+from clipkit.data.loader import BatchStream, training_split
 from clipkit.data.shard_writer import ensure_shards
 from clipkit.data.transforms import ResizedUInt8
-from clipkit.errors import ClipkitError
+from clipkit.errors import ClipkitError, DataError
 from clipkit.init_weights import prepare_model
 from clipkit.machine import apply as apply_machine_fit
 from clipkit.machine import fit_to_machine
@@ -139,6 +139,11 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
         batch_size = runtime.plan.local_size
         return build_slot(registry, "stream", data.stream, "data.stream", batch_size=batch_size, **place)
     shards = ensure_shards_once(runtime, data, registry)
+    split = training_split(shards, data.holdout)
+    if data.holdout > 0:
+        check_held_out(split, data.holdout, shards, announce=runtime.is_main)
+    if data.fit_batch:
+        fit_batch_to_data(runtime, split.num_samples, shards)
     two_view, batched = model.pair == "two_view", data.augment == "batched"
     transform = build_transform(recipe, train=True)
     transform = ResizedUInt8(batched_input_size(recipe), transform.background) if batched else transform
@@ -153,8 +158,44 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
         views=2 if two_view and not batched else 1,  # batched: both views are made on the device
         meta_keys=dict(data.meta_keys),
         holdout=data.holdout,  # clipkit train --data: the held-out split is evaluated, never trained on
+        split=split,
         **place,
     )
+
+
+def check_held_out(split, fraction: float, shards, *, announce: bool) -> None:
+    """Refuse a held-out split with no sample before training (its evaluation would fail after it),
+    else say how many samples each side has."""
+    held, total = len(split.held_out), len(split.held_out) + split.num_samples
+    if not held:
+        raise DataError(
+            f"{shards}: data.holdout {fraction:g} holds out none of its {total} samples, so the "
+            f"held-out evaluation would score nothing; raise --holdout, or give --eval-data with --holdout 0"
+        )
+    if announce:
+        print(f"data: {held} of {total} samples held out for evaluation, {split.num_samples} to train on")
+
+
+def fit_batch_to_data(runtime: Runtime, num_samples: int, shards) -> None:
+    """``data.fit_batch``: when each process's share of the ``num_samples`` training samples is less
+    than its batch, lower ``data.batch_size`` to the most that fits (a multiple of the processes and
+    of ``train.micro_batch_size``) and say so once; a batch that already fits is left alone."""
+    plan = runtime.plan
+    per_process = num_samples // plan.world_size
+    if per_process >= plan.local_size:
+        return
+    step = plan.micro_size if plan.micro_size != plan.local_size else 1
+    local = per_process - per_process % step
+    if local < 2:  # a contrastive batch needs a negative; BatchStream's check explains the rest
+        return
+    runtime.refit_batch(local * plan.world_size)
+    if runtime.is_main:
+        print(
+            f"data: {shards} gives training {num_samples} samples, fewer than one batch of "
+            f"{plan.global_size}; data.batch_size -> {runtime.plan.global_size} (data.fit_batch; set "
+            f"data.batch_size yourself, or data.fit_batch=false to refuse instead)",
+            flush=True,
+        )
 
 
 def compile_model(model, mode: str):

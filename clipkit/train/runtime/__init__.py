@@ -106,8 +106,16 @@ class Runtime:
             raise ClipkitError(
                 f"WORLD_SIZE says {launched_world} processes but Accelerate started {self.world_size}"
             )
+        self.grad_clip = grad_clip
         self.strategy: Strategy = self._strategy(grad_clip)
         seed_everything(seed)
+
+    def refit_batch(self, global_size: int) -> None:
+        """Use ``global_size`` as the contrastive batch from now on (``data.fit_batch``); before
+        ``prepare`` only, since DeepSpeed's configuration carries the batch split."""
+        split_micro = self.plan.micro_size if self.plan.micro_size != self.plan.local_size else 0
+        self.plan = BatchPlan.split(global_size, split_micro, self.world_size)
+        self.strategy = self._strategy(self.grad_clip)
 
     def _strategy(self, grad_clip: float) -> Strategy:
         if self.config.strategy != "deepspeed":
