@@ -9,9 +9,11 @@ the real loader for ``--epochs`` epochs:
 - cached: as clipkit trains (``clipkit.init_weights.FrozenOutputCache`` on the locked backbone);
 - uncached: the same trainer with the cache detached (the backbone runs every step).
 
-Reported: the median over ``--repeats`` rounds (runners alternate within a round) of the mean
-step time over epochs 2.. (the cache is warm: every caption seen once), and of the whole run
-including epoch 1. One thread (``torch.set_num_threads(1)``). From the repository root:
+Timed in process CPU time (``time.process_time``: on shared cores, other jobs' load does not count
+as ours). Reported: the median (min-max) over ``--repeats`` rounds (runners alternate within a
+round) of the mean step time over epochs 2.. (the cache is warm: every caption seen once) and of the
+whole run including epoch 1, and of the per-round ratio uncached / cached. One thread
+(``torch.set_num_threads(1)``). From the repository root:
 
     python benchmarks/frozen_cache.py [--recipe nuclr@tiny+minilm] [--n 256] [--epochs 4] [--repeats 3]
 """
@@ -29,7 +31,8 @@ import torch
 
 from clipkit.recipe import load_recipe, section, validate_or_raise
 from clipkit.registry import default_registry
-from clipkit.train.loop import build_trainer, train_step
+from clipkit.train.build import build_trainer
+from clipkit.train.loop import train_step
 
 OVERRIDES = [
     "model.tokenizer.name=wordpiece",
@@ -54,10 +57,10 @@ def run(recipe: dict, registry, directory: Path, cached: bool, steps_per_epoch: 
     times = []
     for step in range(steps_per_epoch * epochs):
         batch = trainer.runtime.to_device(next(batches))
-        start = time.perf_counter()
+        start = time.process_time()
         train_step(trainer, batch, step)
         trainer.schedule.step()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return {
         "all": sum(times) / len(times),
         "warm": sum(times[steps_per_epoch:]) / len(times[steps_per_epoch:]),
@@ -89,16 +92,19 @@ def main() -> None:
     print(f"python {platform.python_version()}, torch {torch.__version__}, recipe {args.recipe}, n={args.n}, "
           f"batch {section(recipe, 'data').batch_size}, {args.epochs} epochs x {steps_per_epoch} steps, "
           f"{args.repeats} rounds")  # fmt: skip
-    print("| runner | s/step, epochs 2.. (median) | s/step, whole run (median) | captions encoded |")
+    print("| runner | CPU s/step, epochs 2.. | CPU s/step, whole run | captions encoded |")
     print("|---|---|---|---|")
     for name, runs in results.items():
-        warm = statistics.median(r["warm"] for r in runs)
-        whole = statistics.median(r["all"] for r in runs)
-        print(f"| {name} | {warm:.4f} | {whole:.4f} | {runs[0]['encoded']} |")
-    ratio = statistics.median(r["warm"] for r in results["uncached"]) / statistics.median(
-        r["warm"] for r in results["cached"]
-    )
-    print(f"speed-up, epochs 2..: {ratio:.2f}x")
+        print(f"| {name} | {spread([r['warm'] for r in runs])} | {spread([r['all'] for r in runs])} | "
+              f"{runs[0]['encoded']} |")  # fmt: skip
+    for key, what in (("warm", "epochs 2.."), ("all", "whole run")):
+        ratios = [u[key] / c[key] for u, c in zip(results["uncached"], results["cached"], strict=True)]
+        print(f"speed-up (uncached / cached, same round), {what}: {spread(ratios, 2)}x")
+
+
+def spread(values: list[float], digits: int = 4) -> str:
+    """median (min-max)"""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 if __name__ == "__main__":

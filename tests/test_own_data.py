@@ -186,3 +186,18 @@ def test_shard_split_and_resume_conflict_on_the_command_line(in_tmp, shards):
         app, ["train", "clip@tiny", "--resume", "--run-dir", "r", "--data", str(directory)]
     )
     assert outcome.exit_code == 2 and "start a new run" in outcome.output
+
+
+def test_a_recipe_meta_key_missing_from_your_table_names_the_setting():
+    """yaware@tiny reads `label`, `age`, `sex` from the synthetic shapes' columns; on a user's table
+    the error says which column is missing, which ones exist, and the override that fixes it."""
+    from types import SimpleNamespace
+
+    from clipkit.data.loader import batch_meta
+
+    samples = [SimpleNamespace(meta={"index": 0, "category": "red", "size": 3.0})]
+    with pytest.raises(
+        DataError, match=r"label <- 'combo'.*\['category', 'size'\].*data.meta_keys.label=COLUMN"
+    ):
+        batch_meta(samples, {"label": "combo"})
+    assert batch_meta(samples, {"label": "category"})["label"] == ["red"]

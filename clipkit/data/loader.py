@@ -253,7 +253,8 @@ def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
     for name, source in meta_keys.items():
         if source not in samples[0].meta:
             raise DataError(
-                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only {sorted(present)}"
+                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only {sorted(present)}; "
+                f"the loss reads `{name}`: name the column it comes from with data.meta_keys.{name}=COLUMN"
             )
         meta[name] = meta[source]
     return meta
