@@ -48,8 +48,9 @@ def test_scaled_decode_has_the_ceil_size_and_the_pixels_of_a_full_decode(factor)
 
 def test_reductions_below_min_factor_decode_at_full_size():
     data = encode(textured_image(64, 48), "JPEG", quality=90)
-    assert SimpleJpegDecoder().decode(data, 2)[1] == 1
-    assert SimpleJpegDecoder().decode(data, 4)[0].shape == (12, 16, 3)
+    assert SimpleJpegDecoder(min_factor=4).decode(data, 2)[1] == 1
+    assert SimpleJpegDecoder(min_factor=4).decode(data, 4)[0].shape == (12, 16, 3)
+    assert SimpleJpegDecoder().decode(data, 2)[0].shape == (24, 32, 3)  # default: 1/2 and smaller
 
 
 def test_jpeg_views_match_the_pil_path_with_the_same_draws():
@@ -155,3 +156,85 @@ def test_exif_turned_jpegs_go_the_pil_way():
     upright = io.BytesIO()
     image.save(upright, format="JPEG", exif=exif.tobytes())
     assert not turned(upright.getvalue())
+
+
+def test_half_scale_boxes_placed_exactly_by_torch_match_pil_on_the_same_reduced_image():
+    # 300 x 240 JPEG, 64 px output, crops of 50-90 % of the area: boxes shrink 2-4x, so a 1/2-scale
+    # decode is asked for where every box starts (or, read mirrored, ends) on an even source pixel.
+    # torch's kernel on that exact integer formulation against PIL's float-box resampling of the
+    # same reduced pixels: the resampler-only difference (< 0.25, measured 0.03-0.06), where
+    # placing the box half a reduced pixel off costs 4-9 grey levels on this texture.
+    from clipkit.data.transforms import decoder_factor, render, render_drafted, scaled_axes
+
+    data = encode(textured_image(300, 240, period=37), "JPEG", quality=95)
+    transform = ImageTransform(image_size=64, **LEVELS, crop_scale=(0.5, 0.9), hflip=True)
+    half = SimpleJpegDecoder().decode(data, 2)[0]
+    mirrored, full_decodes = set(), 0
+    for seed in range(30):
+        plan = transform.plan((300, 240), random.Random(seed))
+        assert draft_factor(plan) == 2
+        axes = scaled_axes(plan.box, 2)
+        rng, pil_rng = random.Random(seed), random.Random(seed)
+        (out,) = decode_transformed(data, transform, rng, "x")
+        (pil_path,) = decode_transformed(data, transform, pil_rng, "x", decoder=None)
+        assert rng.getstate() == pil_rng.getstate()
+        if axes is None:  # both ends of an axis odd: decoded at full size instead
+            assert decoder_factor([plan]) == 1
+            assert (out - pil_path).abs().mean() < 2  # PIL drafts at 1/2: the DCT filter's difference
+            full_decodes += 1
+            continue
+        assert decoder_factor([plan]) == 2
+        assert (out - pil_path).abs().mean() < 0.25  # PIL drafts at 1/2 and resamples the float box
+        mirrored.update(axis for axis, (_, _, backwards) in zip("xy", axes, strict=True) if backwards)
+        exact = transform.from_uint8(render(half, plan, 2))
+        assert torch.equal(out, exact)  # decode_transformed took the torch path at 1/2
+        reference = transform.from_uint8(render_drafted(Image.fromarray(half, "RGB"), plan, 2))
+        assert (exact - reference).abs().mean() < 0.25
+        (full,) = decode_transformed(data, transform, random.Random(seed), "x", draft=False)
+        assert (exact - full).abs().mean() < 2  # as the 1/8-scale bound above
+    assert mirrored == {"x", "y"} and 0 < full_decodes < 30  # every case ran
+
+
+def test_decoder_factor_only_halves_where_every_box_maps_onto_whole_pixels():
+    from clipkit.data.transforms import ViewPlan, decoder_factor
+
+    def plan(box, size=64):
+        return ViewPlan(box, (size, size))
+
+    assert decoder_factor([plan((2, 4, 200, 200))]) == 2  # even starts
+    assert decoder_factor([plan((3, 5, 201, 201))]) == 1  # both ends odd on both axes
+    assert decoder_factor([plan((3, 4, 200, 200))]) == 2  # x mirrored: ends on an even pixel
+    assert decoder_factor([plan((2, 4, 200, 200)), plan((1, 1, 199, 199))]) == 1  # one view
+    assert decoder_factor([plan((8, 8, 300, 300), 32)]) == 8
+    assert decoder_factor([plan((2, 2, 262, 262), 32)]) == 2  # largest exact factor <= 8
+    assert decoder_factor([plan((1, 1, 259, 259), 32)]) == 8  # none exact: PIL at 1/8 as before
+    assert decoder_factor([plan((0, 0, 100, 100))]) == 1  # shrinks < 2x
+
+
+def test_exif_segment_walks_the_header_markers():
+    from clipkit.data.decoders import exif_segment, turned
+
+    image = Image.new("RGB", (8, 4), (200, 10, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    plain = encode(image, "JPEG")
+    with_exif = encode(image, "JPEG", exif=exif.tobytes())
+    # Two 40 kB APP2 segments before the EXIF segment: past where a search of the first 64 KiB
+    # used to look.
+    app2 = b"\xff\xe2" + (40_002).to_bytes(2, "big") + b"\0" * 40_000
+    late_exif = with_exif[:2] + 2 * app2 + with_exif[2:]
+    assert exif_segment(plain) is False and exif_segment(with_exif) is True
+    assert late_exif.index(b"Exif\0\0") > 65536 and exif_segment(late_exif) is True and turned(late_exif)
+    assert exif_segment(b"\xff\xd8\xff\xe0\x00") is None and exif_segment(b"\xff\xd8junk") is None
+    # A header that does not parse goes the PIL way (turned() says so), which reports the error.
+    assert turned(b"\xff\xd8junk")
+
+
+def test_from_uint8_is_the_reference_normalisation_bit_for_bit():
+    transform = ImageTransform(image_size=16, mean=(0.48, 0.45, 0.40), std=(0.26, 0.26, 0.27))
+    values = torch.arange(256, dtype=torch.uint8).repeat(3, 16, 1)  # every level in every channel
+    mean, std = torch.tensor(transform.mean).view(3, 1, 1), torch.tensor(transform.std).view(3, 1, 1)
+    expected = (values.float() / 255 - mean) / std
+    for pixels in (values, values.permute(1, 2, 0).contiguous().permute(2, 0, 1)):  # channels-last
+        out = transform.from_uint8(pixels)
+        assert out.is_contiguous() and out.dtype == torch.float32 and torch.equal(out, expected)
