@@ -12,8 +12,8 @@ Two implementations share those choices (:meth:`ImageTransform.plan` draws them 
 ``ImageTransform.__call__`` on a PIL image (PIL resampling, the reference), and
 :func:`decode_transformed` from encoded bytes for the loader (torch's uint8 bicubic resampling,
 JPEG draft decoding, one decode for both views; with the ``fastjpeg`` extra the JPEG is decoded
-by simplejpeg straight into numpy, :mod:`clipkit.data.decoders`; ~1.9x the images/s per core of a plain
-PIL loop on COCO photos, see docs/benchmarks.md).
+by simplejpeg straight into numpy, DCT-scaled where the crop allows, :mod:`clipkit.data.decoders`;
+2-3x the images/s per core of a plain PIL loop, see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -106,11 +106,10 @@ class ImageTransform:
         """[3, H, W] uint8 (any strides) -> [3, H, W] float32 (contiguous), (pixels / 255 − mean) / std
         as one conversion and three in-place ops (bit-identical to BatchedAugment's normalisation)."""
         mean, std = self.normalisation
-        out = torch.empty(pixels.shape, dtype=torch.float32)
-        # The uint8 -> float32 conversion and the division by 255 in one pass (the same float32
-        # division as converting first), from a contiguous uint8 copy: transposing the uint8
-        # channels-last pixels costs less than a transposing conversion.
-        return torch.div(contiguous(pixels), 255, out=out).sub_(mean).div_(std)
+        # Channels-last input is made contiguous as uint8 first: transposing 1 byte per value costs
+        # ~half of a transposing uint8 -> float32 conversion (measured on [3, 224, 224]).
+        pixels = contiguous(pixels).to(torch.float32)
+        return pixels.div_(255).sub_(mean).div_(std)
 
     @functools.cached_property
     def normalisation(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,11 +295,14 @@ def decode_transformed(
       just outside the box, so the outermost output rows/columns differ a little;
     - with ``draft``, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, PIL's
       ``Image.draft``) when every view's box is downscaled at least that much anyway; the boxes are
-      mapped exactly into the reduced image and resampled there by PIL (fractional box).
+      mapped exactly into the reduced image and resampled there by PIL (fractional box), or, on
+      the decoder path, by torch where the box maps onto whole reduced pixels (:func:`scaled_axis`;
+      :func:`decoder_factor` picks the scale).
 
     ``decoder``: a :class:`~clipkit.data.decoders.Decoder` tried first (``"auto"``: simplejpeg when the
     ``fastjpeg`` extra is installed; ``None``: PIL only). It decodes straight into a uint8 array,
-    DCT-scaled by the same rule as draft decoding; bytes it does not take (not a JPEG, CMYK, a
+    DCT-scaled by :func:`decoder_factor` (1/2 only where torch can take every box exactly, 1/4 and
+    1/8 as draft decoding); bytes it does not take (not a JPEG, CMYK, a
     decoder error) go the PIL way, which raises the DataError.
 
     ``transforms``: one transform or one per view (anything with ``plan(size, rng)`` and
