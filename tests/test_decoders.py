@@ -164,7 +164,7 @@ def test_half_scale_boxes_placed_exactly_by_torch_match_pil_on_the_same_reduced_
     # torch's kernel on that exact integer formulation against PIL's float-box resampling of the
     # same reduced pixels: the resampler-only difference (< 0.25, measured 0.03-0.06), where
     # placing the box half a reduced pixel off costs 4-9 grey levels on this texture.
-    from clipkit.data.transforms import decoder_factor, render, render_drafted, scaled_axes
+    from clipkit.data.transforms import ViewPlan, decoder_factor, render, render_drafted, scaled_axes
 
     data = encode(textured_image(300, 240, period=37), "JPEG", quality=95)
     transform = ImageTransform(image_size=64, **LEVELS, crop_scale=(0.5, 0.9), hflip=True)
@@ -193,6 +193,12 @@ def test_half_scale_boxes_placed_exactly_by_torch_match_pil_on_the_same_reduced_
         (full,) = decode_transformed(data, transform, random.Random(seed), "x", draft=False)
         assert (exact - full).abs().mean() < 2  # as the 1/8-scale bound above
     assert mirrored == {"x", "y"} and 0 < full_decodes < 30  # every case ran
+    # An eval-style square cut after the resample, from a box read mirrored on both axes.
+    plan = ViewPlan((3, 5, 292, 232), (90, 72), crop=(9, 4, 64), flip=True)
+    assert scaled_axes(plan.box, 2) == ((1, 146, True), (2, 116, True))
+    exact = transform.from_uint8(render(half, plan, 2))
+    reference = transform.from_uint8(render_drafted(Image.fromarray(half, "RGB"), plan, 2))
+    assert exact.shape == (3, 64, 64) and (exact - reference).abs().mean() < 0.25
 
 
 def test_decoder_factor_only_halves_where_every_box_maps_onto_whole_pixels():

@@ -466,12 +466,11 @@ def render(pixels, view: ViewPlan, factor: int = 1) -> torch.Tensor | None:
             scales = (height * factor / (bottom - top), width * factor / (right - left))
             region = torch.ops.aten._upsample_bicubic2d_aa(region, [height, width], False, *scales)
         region = region[0].permute(1, 2, 0).numpy()  # [h, w, 3] view
-    if y_back:
-        region = region[::-1]
+    region = region[::-1 if y_back else 1, ::-1 if x_back else 1]  # mirrored back (views)
     if view.crop is not None:
         crop_left, crop_top, side = view.crop
         region = region[crop_top : crop_top + side, crop_left : crop_left + side]
-    if view.flip != x_back:  # mirror for the flip, or back from a mirrored region
+    if view.flip:
         region = region[:, ::-1]
     pixels_out = torch.from_numpy(np.ascontiguousarray(region.transpose(2, 0, 1)))
     if view.jitter or view.grayscale:
