@@ -302,8 +302,8 @@ def decode_transformed(
     ``decoder``: a :class:`~clipkit.data.decoders.Decoder` tried first (``"auto"``: simplejpeg when the
     ``fastjpeg`` extra is installed; ``None``: PIL only). It decodes straight into a uint8 array,
     DCT-scaled by :func:`decoder_factor` (1/2 only where torch can take every box exactly, 1/4 and
-    1/8 as draft decoding); bytes it does not take (not a JPEG, CMYK, a
-    decoder error) go the PIL way, which raises the DataError.
+    1/8 as draft decoding); bytes it does not take (not a JPEG, CMYK, a decoder error) go the PIL
+    way, which raises the DataError.
 
     ``transforms``: one transform or one per view (anything with ``plan(size, rng)`` and
     ``from_uint8(pixels)``: ImageTransform, ResizedUInt8). Returns [3, S, S] float32 per
