@@ -29,10 +29,19 @@ TRUST_HELP = (
 )
 
 
+#: Width of tables written to a pipe or a log file (rich's default there is 80 columns, which
+#: wraps and elides the data labels of an eval report); $COLUMNS still wins.
+PIPE_WIDTH = 160
+
+
 def console():
+    import os
+    import sys
+
     from rich.console import Console
 
-    return Console()
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=PIPE_WIDTH if piped else None)
 
 
 @fails_cleanly
