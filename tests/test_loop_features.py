@@ -147,10 +147,17 @@ def test_two_view_recipes_train_and_export(variant, shards, tmp_path):
 # ----------------------------------------------------------------------------- NUCLR state
 
 
-def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path):
+@pytest.mark.parametrize("holdout", [0.0, 0.25])
+def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path, holdout):
     """An uninterrupted 6-step NUCLR run and a run resumed from its step-3 checkpoint end with
-    identical weights and identical u, ζ, ξ (ζ unfrozen from the start so it moves)."""
+    identical weights and identical u, ζ, ξ (ζ unfrozen from the start so it moves). With a held-out
+    split (`clipkit train --data`), the per-sample state is sized by the training samples and
+    indexed by their places among them."""
+    from clipkit.data.loader import training_split
+
+    trained = training_split(shards, holdout).num_samples
     overrides = data_overrides(shards) + [
+        f"data.holdout={holdout}",
         "model.image_encoder=vit_tiny",
         "model.text_encoder=text_transformer_tiny",
         "loss.freeze_epochs=0",
@@ -169,7 +176,8 @@ def test_nuclr_state_survives_checkpoint_and_resume_exactly(shards, tmp_path):
     early = load_checkpoint(first)["loss"]
     # The state is real and it moved between step 3 and step 6, on the batch coordinates only.
     assert set(expected) >= {"log_u", "visited", "zeta", "xi"}
-    assert expected["log_u"].shape == (2, 128) and not torch.equal(expected["zeta"], early["zeta"])
+    assert trained < 128 if holdout else trained == 128
+    assert expected["log_u"].shape == (2, trained) and not torch.equal(expected["zeta"], early["zeta"])
     touched = (expected["log_u"] != early["log_u"]).any(dim=0)
     assert 0 < int(touched.sum()) <= 3 * 16
 
