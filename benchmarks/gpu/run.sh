@@ -45,8 +45,8 @@ rehearsal=${CLIPKIT_GPU_REHEARSAL:-0}
 python=${CLIPKIT_GPU_PYTHON:-python3}
 wheels=${CLIPKIT_GPU_WHEELS:-$repo/.whl}
 total=${CLIPKIT_GPU_TOTAL_S:-420}
-: "${BUDGET_INSTALL:=60}" "${BUDGET_CEILINGS:=30}" "${BUDGET_TESTS:=150}" "${BUDGET_VIT_STEP:=80}"
-: "${BUDGET_KME:=90}" "${BUDGET_BATCH_WALL:=40}" "${BUDGET_LOADER:=40}"
+: "${BUDGET_INSTALL:=60}" "${BUDGET_CEILINGS:=30}" "${BUDGET_TESTS:=150}" "${BUDGET_VIT_STEP:=110}"
+: "${BUDGET_KME:=95}" "${BUDGET_BATCH_WALL:=45}" "${BUDGET_LOADER:=50}"
 work=$(mktemp -d "${TMPDIR:-/tmp}/clipkit-gpu.XXXXXX")   # the parts' JSON files, merged at the end
 site=$work/site                                            # where carried wheels are installed
 trap 'rm -rf "$work"' EXIT
