@@ -108,7 +108,9 @@ def main() -> None:
     args = parser.parse_args()
     status, tests = read_status(args.status), read_junit(args.junit)
     order = {row["step"]: place for place, row in enumerate(status)}
-    parts = sorted((p for p in read_parts(args.parts) if p.get("part")), key=lambda p: order.get(p["part"], 99))
+    parts = sorted(
+        (p for p in read_parts(args.parts) if p.get("part")), key=lambda p: order.get(p["part"], 99)
+    )
     args.results.mkdir(parents=True, exist_ok=True)
     record = {"steps": status, "tests": tests, "parts": parts}
     (args.results / "results.json").write_text(json.dumps(record, indent=1, default=str))
