@@ -127,7 +127,7 @@ EOF
 run_tests() {
     local env=()
     [ -n "$rehearsal" ] && env=(env -u CLIPKIT_GPU_TESTS_ON_CPU)
-    "${env[@]}" "$python" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rA --durations=15 \
+    "${env[@]}" "$python" -m pytest tests/gpu -m gpu -v -p no:cacheprovider -rfEs --durations=15 --timeout=100 \
         --junitxml="$results/pytest.xml" -o junit_family=xunit2 2>&1 | tee "$results/pytest.log"
     local status=${PIPESTATUS[0]}
     [ "$status" = 5 ] && [ -n "$rehearsal" ] && return 0   # no CUDA: every gpu test deselected/skipped
