@@ -208,7 +208,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the main process only receives batches
     cpus = usable_cpus()
     all_workers = pick(cpus, 2)
-    auto_workers = fit_to_machine("auto", "auto").workers
+    auto_workers = fit_to_machine("auto", "auto", accelerator=torch.cuda.is_available()).workers
     decoder = "simplejpeg" if default_decoder() is not None else "PIL (simplejpeg not installed)"
     figures: list[dict] = []
     skipped: list[str] = []

@@ -133,7 +133,8 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
     from ``data.source`` first when missing)."""
     data, settings = section(recipe, "data"), section(recipe, "train")
     place = {"seed": int(recipe.get("seed", 0)), "rank": runtime.rank, "world_size": runtime.world_size}
-    machine = fit_to_machine(data.num_workers, settings.threads)  # auto: from the CPUs this process may use
+    # auto: from the CPUs this process may use, most of them decoding when a GPU trains
+    machine = fit_to_machine(data.num_workers, settings.threads, accelerator=runtime.device.type != "cpu")
     apply_machine_fit(machine, announce=runtime.is_main)
     if data.stream is not None:
         batch_size = runtime.plan.local_size
