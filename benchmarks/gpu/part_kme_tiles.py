@@ -34,7 +34,16 @@ BUDGET_S = 60.0
 STARTED = time.perf_counter()
 FORWARD = pick([(64, 8), (64, 4), (128, 8), (128, 4), (128, 16), (256, 16)], [(64, 8), (128, 4)])
 BACKWARD = pick(
-    [(16, 64, 8), (16, 128, 8), (32, 64, 8), (32, 64, 16), (32, 128, 16), (64, 64, 16), (64, 32, 8), (16, 32, 4)],
+    [
+        (16, 64, 8),
+        (16, 128, 8),
+        (32, 64, 8),
+        (32, 64, 16),
+        (32, 128, 16),
+        (64, 64, 16),
+        (64, 32, 8),
+        (16, 32, 4),
+    ],
     [(16, 64, 8), (32, 32, 4)],
 )
 
@@ -90,7 +99,9 @@ def main() -> None:
     from clipkit.plugins.similarities import kme_triton as kt
 
     if not kt.available() or not (dev.type == "cuda" or kt.interpreting()):
-        write_part(out, "kme_tiles", [], skipped=["triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"])
+        write_part(
+            out, "kme_tiles", [], skipped=["triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"]
+        )
         return
     n, mx, my, dim = pick(256, 6), pick(197, 5), pick(77, 3), pick(512, 32)
     peak = read_ceilings(out).get("bf16_tflops")
@@ -133,7 +144,9 @@ def main() -> None:
             record(
                 "backward rows",
                 f"rows {rows}, cols {cols}, {warps} warps",
-                lambda: kt._backward_rows(x["u"], x["logw_u"], x["v"], x["logw_v"], x["gamma"], lse, x["grad"]),
+                lambda: kt._backward_rows(
+                    x["u"], x["logw_u"], x["v"], x["logw_v"], x["gamma"], lse, x["grad"]
+                ),
                 lambda got: max(relative(got[0], r_ref), relative(got[1], dlw_ref)),
             )
     if rehearsal():
