@@ -34,8 +34,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    warps = kme_triton.NUM_WARPS
-    print(f"triton {triton.__version__}, target sm_{args.arch}, d = {args.dim}, num_warps = {warps}")
+    print(f"triton {triton.__version__}, target sm_{args.arch}, d = {args.dim}, tiles {kme_triton.TILES}")
     print()
     print(
         "| kernel | points | Mx × My | tile (rows × cols) | registers | spill stack (B) | shared (B) | MMA |"
@@ -57,17 +56,19 @@ def main() -> None:
 
 def compile_kernel(kernel, dtype, precision, mx, my, dim, target):
     """Compile one kernel as ``kme_triton`` would launch it for these set sizes."""
+    tiles = kme_triton.tiles_for(torch.bfloat16 if dtype == "bf16" else torch.float32)
     if kernel == "forward":
         (ba, mxp), (bb, myp) = (
-            kme_triton._slots(mx, kme_triton.TILE_POINTS),
-            kme_triton._slots(my, kme_triton.TILE_POINTS),
+            kme_triton._slots(mx, tiles.forward_points),
+            kme_triton._slots(my, tiles.forward_points),
         )
+        warps = tiles.forward_warps
         fn, pointers = kme_triton._forward_kernel, ("U", "LWU", "V", "LWV", "GAMMA", "LSE")
         extra = {"BK": min(64, max(16, kme_triton._next_power_of_2(dim)))}
     else:
-        (ba, mxp) = kme_triton._slots(mx, kme_triton.BACKWARD_ROWS)
-        cols = kme_triton.backward_cols(torch.bfloat16 if dtype == "bf16" else torch.float32)
-        (bb, myp) = kme_triton._slots(my, cols)
+        (ba, mxp) = kme_triton._slots(mx, tiles.backward_rows)
+        (bb, myp) = kme_triton._slots(my, tiles.backward_cols)
+        warps = tiles.backward_warps
         fn, pointers = (
             kme_triton._backward_rows_kernel,
             ("U", "LWU", "V", "LWV", "GAMMA", "LSE", "G", "R", "DLW"),
@@ -78,7 +79,7 @@ def compile_kernel(kernel, dtype, precision, mx, my, dim, target):
     constants = dict(zip(CONSTANTS, (ba, mxp, bb, myp, precision, False), strict=True)) | extra
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=fn, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=target, options={"num_warps": kme_triton.NUM_WARPS})
+    compiled = triton.compile(source, target=target, options={"num_warps": warps})
     return compiled, ba * mxp, bb * myp
 
 

@@ -28,17 +28,19 @@ torch.get_float32_matmul_precision() allows TF32. In backward, Q is rounded to t
 before the Q @ V GEMM (as FlashAttention rounds P), so bf16 gradients carry bf16 rounding of Q.
 
 Status: tested for exactness against the einsum reference under the Triton interpreter
-(TRITON_INTERPRET=1, CPU tensors; tests/test_kme_kernels.py) and compiled ahead of time for sm_90
-(benchmarks/kme_triton_resources.py: it lowers, with wgmma in forward, within the register and
-shared-memory limits); never run or timed on a GPU (none was available), so the tile sizes are
-untuned and the speed is unknown. ``kme_logits(implementation="auto")`` uses the kernels for CUDA
-points in bf16/fp16, or fp32 when TF32 is allowed; ``KMESimilarity(implementation="blockwise")``
-opts out, ``"triton"`` opts in for fp32 at full precision too (an FMA kernel, likely slower).
+(TRITON_INTERPRET=1, CPU tensors; tests/test_kme_kernels.py) and on an H200 (tests/gpu/, fp32,
+TF32 and bf16 against float64 at d = 512); the 16-bit tiles are chosen from timings there
+(``TILES``). fwd+bwd reached 8-9 % of the measured bf16 matmul peak with the first tiles; the
+backward (two row passes, each a score recompute and a Q @ V GEMM) is most of the time.
+``kme_logits(implementation="auto")`` uses the kernels for CUDA points in bf16/fp16, or fp32 when
+TF32 is allowed; ``KMESimilarity(implementation="blockwise")`` opts out, ``"triton"`` opts in for
+fp32 at full precision too (an FMA kernel: 13-19 TFLOP/s on the H200, slower than block-wise).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -53,16 +55,31 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-#: Rows (anchor points) and columns (candidate points) of one score tile in forward; rows and
-#: columns in backward (a backward program also holds a [rows, d] fp32 accumulator and whole
-#: [cols, d] point rows, so fewer; half the columns for fp32 points, whose tiles are twice the bytes).
-#: Chosen without a GPU, from the resource use of the sm_90 cubins triton 3.9 compiles here
-#: (benchmarks/kme_triton_resources.py): with 8 warps, ≤ 255 registers per thread, no spills for
-#: bf16 points with M > 1 at d = 512, shared memory within the H100's 227 KiB. Untuned: no timing.
-TILE_POINTS = 64
-BACKWARD_ROWS = 16
-BACKWARD_COLS = 64
-NUM_WARPS = 8
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile shape and warps of the two kernels for one width of points.
+
+    forward_points: rows = columns of a forward score tile (anchor × candidate points);
+    backward_rows / backward_cols: anchor-point rows and candidate-point columns of a backward
+    tile (a backward program also holds a [rows, d] fp32 accumulator and whole [cols, d] point
+    rows, so its tiles are smaller)."""
+
+    forward_points: int
+    forward_warps: int
+    backward_rows: int
+    backward_cols: int
+    backward_warps: int
+
+
+#: By the points' bytes per element. 16-bit points: measured on an H200 (triton 3.6, N = 256,
+#: 197 × 77 points, d = 512; benchmarks/gpu/part_kme_tiles.py, docs/benchmarks.md "GPU"): forward
+#: 128-point tiles with 16 warps 3.15 ms (323 TFLOP/s) against 4.13 ms for the first choice of 64
+#: with 8; backward 64 rows × 32 columns with 8 warps 13.3 ms a side against 21.4 ms for 16 × 64;
+#: 64 × 64, 16 × 128 and 32 × 128 exceed the 227 KiB of shared memory, 256-point forward tiles the
+#: registers. fp32 points (IEEE or TF32 dots; tiles of twice the bytes) keep the shapes that ran
+#: correctly there, untimed against others.
+TILES = {2: Tiles(128, 16, 64, 32, 8), 4: Tiles(64, 8, 16, 32, 8)}
 #: Most point slots per set in one tile (a set with more points is walked in chunks of this many).
 MAX_SLOTS = 16
 
@@ -81,9 +98,9 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def backward_cols(dtype: torch.dtype) -> int:
-    """Candidate points per backward tile: BACKWARD_COLS for 16-bit points, half for fp32."""
-    return BACKWARD_COLS if dtype.itemsize <= 2 else BACKWARD_COLS // 2
+def tiles_for(dtype: torch.dtype) -> Tiles:
+    """The kernels' tiles for points of ``dtype`` (16-bit or fp32)."""
+    return TILES[2] if dtype.itemsize <= 2 else TILES[4]
 
 
 def _slots(points: int, tile: int) -> tuple[int, int]:
@@ -272,8 +289,9 @@ def _forward(u: Tensor, logw_u: Tensor, v: Tensor, logw_v: Tensor, gamma: Tensor
     """lse [Na, Nb] fp32 of the contiguous inputs."""
     (num_a, mx, d), (num_b, my, _) = u.shape, v.shape
     lse = torch.empty(num_a, num_b, device=u.device, dtype=torch.float32)
-    ba, mxp = _slots(mx, TILE_POINTS)
-    bb, myp = _slots(my, TILE_POINTS)
+    tiles = tiles_for(u.dtype)
+    ba, mxp = _slots(mx, tiles.forward_points)
+    bb, myp = _slots(my, tiles.forward_points)
     block_k = min(64, max(16, _next_power_of_2(d)))
     grid = (triton.cdiv(num_a, ba), triton.cdiv(num_b, bb))
     _forward_kernel[grid](
@@ -295,7 +313,7 @@ def _forward(u: Tensor, logw_u: Tensor, v: Tensor, logw_v: Tensor, gamma: Tensor
         BK=block_k,
         PRECISION=_precision(u.dtype),
         WIDEN=interpreting(),
-        num_warps=NUM_WARPS,
+        num_warps=tiles.forward_warps,
     )
     return lse
 
@@ -307,8 +325,9 @@ def _backward_rows(
     (num_a, mx, d), (num_b, my, _) = u.shape, v.shape
     r = torch.empty(num_a, mx, d, device=u.device, dtype=torch.float32)
     dlw = torch.empty(num_a, mx, device=u.device, dtype=torch.float32)
-    ba, mxp = _slots(mx, BACKWARD_ROWS)
-    bb, myp = _slots(my, backward_cols(u.dtype))
+    tiles = tiles_for(u.dtype)
+    ba, mxp = _slots(mx, tiles.backward_rows)
+    bb, myp = _slots(my, tiles.backward_cols)
     grid = (triton.cdiv(num_a, ba), triton.cdiv(mx, mxp))
     _backward_rows_kernel[grid](
         u,
@@ -332,7 +351,7 @@ def _backward_rows(
         BD=max(16, _next_power_of_2(d)),
         PRECISION=_precision(u.dtype),
         WIDEN=interpreting(),
-        num_warps=NUM_WARPS,
+        num_warps=tiles.backward_warps,
     )
     return r, dlw
 
