@@ -129,3 +129,5 @@ def test_summary_reads_failed_tests_from_the_junit_report(tmp_path):
     table = summarize.markdown([], [{"step": "tests", "status": "failed (exit 1)", "seconds": 3}], tests)
     assert "- FAILED tests.gpu.test_gpu_kme::test_bf16" in table
     assert summarize.read_junit(tmp_path / "absent.xml") == {"ran": False}
+    cut = summarize.markdown([], [{"step": "tests", "status": "timed out after 150s", "seconds": 150}], tests)
+    assert "1 skipped (PARTIAL: the step did not finish" in cut  # counts of a killed run are not a verdict

@@ -80,10 +80,12 @@ def markdown(parts: list[dict], status: list[dict], tests: dict) -> str:
     ]
     lines += [f"| {row['step']} | {row['status']} | {row['seconds']} |" for row in status]
     if tests.get("ran"):
-        lines += [
-            "",
-            f"gpu tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped",
-        ]
+        counts = f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped"
+        finished = next((row["status"] == "ok" for row in status if row["step"] == "tests"), True)
+        partial = (
+            "" if finished else " (PARTIAL: the step did not finish; pytest.log names the last test run)"
+        )
+        lines += ["", f"gpu tests: {counts}{partial}"]
         lines += [f"- FAILED {failure}" for failure in tests["failures"]]
     lines += ["", "| part | figure | value | unit | goal | met |", "| --- | --- | --- | --- | --- | --- |"]
     for part in parts:
