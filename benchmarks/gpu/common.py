@@ -16,6 +16,7 @@ Nothing is estimated: a figure that could not be measured is left out and its re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -182,3 +183,39 @@ def read_ceilings(out: Path) -> dict[str, float]:
         return {}
     record = json.loads(path.read_text())
     return {f["key"]: f["value"] for f in record["figures"] if "key" in f}
+
+
+def _age_at_import() -> float:
+    """This process's age when common was imported (Linux /proc: the interpreter's and torch's
+    start-up count against a part's budget); 0 where /proc is missing or gives an implausible age."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return age if 0.0 <= age < 600.0 else 0.0
+
+
+_IMPORTED = time.monotonic()
+_AGE_AT_IMPORT = _age_at_import()
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (as far as /proc tells; else since common's import)."""
+    return _AGE_AT_IMPORT + time.monotonic() - _IMPORTED
+
+
+def is_oom(error: BaseException) -> bool:
+    """An allocation failure: torch's OutOfMemoryError, or cuBLAS/CUDA's in a RuntimeError."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "alloc_failed" in text)
+
+
+def free_memory() -> None:
+    """Drop what the last attempt left: Python garbage, then the CUDA allocator's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -33,7 +33,6 @@ d = 512, same JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 from pathlib import Path
@@ -42,10 +41,13 @@ import torch
 from common import (
     device,
     figure,
+    free_memory,
     interleaved_ms,
+    is_oom,
     median,
     peak_memory,
     pick,
+    process_seconds,
     read_ceilings,
     rehearsal,
     time_ms,
@@ -68,40 +70,6 @@ TIMED_CALLS = pick(3, 1)
 GEMM_ROUNDS = pick(5, 2)
 #: A size is tried only if its estimate, times this, fits in what is left.
 SLACK = 1.5
-
-
-def _age_at_import() -> float:
-    """This process's age when this module was imported (Linux /proc: the interpreter's and torch's
-    start-up count against the budget); 0 where /proc is missing or gives an implausible age."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return age if 0.0 <= age < 600.0 else 0.0
-
-
-_IMPORTED = time.monotonic()
-_AGE_AT_IMPORT = _age_at_import()
-
-
-def process_seconds() -> float:
-    """Seconds since this process started (as far as /proc tells; else since this module's import)."""
-    return _AGE_AT_IMPORT + time.monotonic() - _IMPORTED
-
-
-def is_oom(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "alloc_failed" in text)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def features(n: int, dim: int, dtype: torch.dtype, dev: torch.device, seed: int) -> PointSet:

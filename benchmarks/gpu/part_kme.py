@@ -47,7 +47,6 @@ Rehearsal (``CLIPKIT_GPU_REHEARSAL=1``, CPU): N = 8, 5 × 4 points, d = 32; Trit
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import time
@@ -57,9 +56,11 @@ import torch
 from common import (
     device,
     figure,
+    free_memory,
     median,
     peak_memory,
     pick,
+    process_seconds,
     read_ceilings,
     rehearsal,
     synchronize,
@@ -104,27 +105,6 @@ SLACK = 1.25
 
 
 # --- budget -----------------------------------------------------------------------------------
-
-
-def _age_at_import() -> float:
-    """This process's age when this module was imported (Linux /proc: the interpreter's and torch's
-    start-up count against the budget); 0 where /proc is missing or gives an implausible age."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return age if 0.0 <= age < 600.0 else 0.0
-
-
-_IMPORTED = time.monotonic()
-_AGE_AT_IMPORT = _age_at_import()
-
-
-def process_seconds() -> float:
-    """Seconds since this process started (as far as /proc tells; else since this module's import)."""
-    return _AGE_AT_IMPORT + time.monotonic() - _IMPORTED
 
 
 class Budget:
@@ -202,12 +182,6 @@ def runner(impl: str, a: PointSet, b: PointSet, gamma: torch.Tensor):
             leaf.grad = None
 
     return run
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def free_gpu_bytes() -> int | None:

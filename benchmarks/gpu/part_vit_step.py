@@ -39,7 +39,6 @@ with the same tiny dimensions when importable, else recorded in ``skipped``. Usa
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import itertools
 import math
@@ -54,7 +53,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import device, figure, interleaved_ms, median, parse_out, peak_memory, pick, rehearsal, write_part
+from common import (
+    device,
+    figure,
+    free_memory,
+    interleaved_ms,
+    median,
+    parse_out,
+    peak_memory,
+    pick,
+    rehearsal,
+    write_part,
+)
 
 #: The part's 80 s, less the interpreter's start and torch's import (before this clock starts).
 BUDGET_S = 75.0
@@ -315,12 +325,6 @@ def runner(side, batches: list[dict], steps: int) -> Callable[[], None]:
             side.step(next(cycle))
 
     return run
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def measure_config(
