@@ -320,7 +320,6 @@ def read_tasks_file(path: Path) -> list[dict]:
     from omegaconf.errors import OmegaConfBaseException
 
     from clipkit.artifacts import one_line, read_text, yaml_problem
-
     from clipkit.recipe import resolve_interpolations
 
     text = read_text(path, "tasks file")

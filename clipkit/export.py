@@ -6,6 +6,11 @@ seed evaluation uses, plus the resolved recipe — enough to rebuild the model w
 access to the run — and the sha256 of the weights (``files``), checked on load unless
 ``--no-verify``. ``clipkit eval`` reads only this directory; every way it can be damaged is
 reported as an :class:`~clipkit.errors.ArtifactError` naming the file.
+
+Every path an export names stays inside it (:func:`clipkit.integrity.contained`: resolved, symlinks
+followed): a ``files`` entry or a plugin file argument leading out (``../../etc/passwd``) is refused
+by name before anything is read. Files a plugin needs (a WordPiece ``vocab.txt``; the tokenizer's
+``export_files``) are copied into the export and checksummed with the weights.
 """
 
 from __future__ import annotations

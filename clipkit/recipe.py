@@ -298,7 +298,9 @@ class _Estimate:
         if path in self.memo:
             return self.memo[path]
         if depth > MAX_INTERPOLATION_DEPTH:
-            self.fail(self.origin, f"interpolations nested more than {MAX_INTERPOLATION_DEPTH} references deep")
+            self.fail(
+                self.origin, f"interpolations nested more than {MAX_INTERPOLATION_DEPTH} references deep"
+            )
         self.active.add(path)
         chars = steps = height = 0
         try:
@@ -358,8 +360,12 @@ class _Estimate:
                 )
             if kind == "InterpolationNodeContext":
                 keys = [c for c in node.getChildren() if type(c).__name__ == "ConfigKeyContext"]
-                if any(c.getChildCount() and type(c.getChild(0)).__name__ != "TerminalNodeImpl" for c in keys):
-                    self.fail(path, "a key built from an interpolation (${a.${b}}) is not supported in recipes")
+                if any(
+                    c.getChildCount() and type(c.getChild(0)).__name__ != "TerminalNodeImpl" for c in keys
+                ):
+                    self.fail(
+                        path, "a key built from an interpolation (${a.${b}}) is not supported in recipes"
+                    )
                 written = node.getText()
                 targets.append((_absolute(path, split_key(written[2:-1])), len(written)))
             stack.extend(node.getChildren() if hasattr(node, "getChildren") else [])
@@ -391,11 +397,11 @@ def _lookup(raw: Any, path: tuple) -> tuple[bool, Any, tuple]:
     """(found, the node at ``path``, ``path`` with the keys as stored: list indices as ints)."""
     node, canonical = raw, []
     for part in path:
-        if isinstance(node, dict) and part not in node and str(part).lstrip("-").isdigit():
+        numeric = str(part).lstrip("-").isdigit()
+        if numeric and (isinstance(node, list) or isinstance(node, dict) and part not in node):
             part = int(part)
-        elif isinstance(node, list) and str(part).isdigit():
-            part = int(part)
-        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        in_dict = isinstance(node, dict) and part in node
+        if in_dict or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
             canonical.append(part)
         else:

@@ -222,9 +222,11 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
     ),
     (
         "metadata-plugin-kind-unknown",
-        lambda: edit_json(EXPORT / "clipkit.json", lambda m: m["plugins"]["model.tokenizer"].update(kind="tokenzier")),
+        lambda: edit_json(
+            EXPORT / "clipkit.json", lambda m: m["plugins"]["model.tokenizer"].update(kind="tokenzier")
+        ),
         EVAL,
-        "clipkit.json: plugins.model.tokenizer names an unknown plugin kind 'tokenzier' (known kinds: encoder,",
+        "plugins.model.tokenizer names an unknown plugin kind 'tokenzier' (known kinds: encoder,",
     ),
     (
         "metadata-files-entry-outside",
@@ -304,7 +306,9 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
     ),
     (
         "ckpt-manifest-lists-outside-file",
-        lambda: edit_json(CKPT / "checkpoint.json", lambda m: m["files"].update({"../../../x": {"sha256": "0"}})),
+        lambda: edit_json(
+            CKPT / "checkpoint.json", lambda m: m["files"].update({"../../../x": {"sha256": "0"}})
+        ),
         RESUME,
         "files entry '../../../x' points outside the checkpoint",
     ),
@@ -349,6 +353,12 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
         write_recipe(b"- {name: zero_shot\n"),
         ("eval", "run/export", "--tasks", "bad.yaml"),
         "bad.yaml",
+    ),
+    (
+        "tasks-file-env-resolver",
+        write_recipe(b"- {name: retrieval, data: '${oc.env:HOME}'}\n"),
+        ("eval", "run/export", "--tasks", "bad.yaml"),
+        "0.data: the resolver ${oc.env:...} is not allowed",
     ),
 ]
 
