@@ -196,7 +196,6 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     if not isinstance(variants, dict):
         raise RecipeError(base_name, ["variants: must be a mapping of variant name -> {key: value}"])
     config = OmegaConf.create(recipe)
-    check_interpolations(config, spec)  # before overrides look values up (no resolver ever runs)
     # Variants compose left to right: `wpse@imq+tiny` applies `imq`, then `tiny`.
     for name in variant.split("+") if variant else []:
         if name not in variants:
@@ -204,6 +203,7 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
         if not isinstance(variants[name], dict):
             raise RecipeError(base_name, [f"variants.{name}: must be a mapping of key -> value"])
         for key, value in variants[name].items():
+            check_interpolations(config, spec)
             apply_override(config, key, value)
     apply_overrides(config, overrides, spec)
     resolved = resolve_interpolations(config, spec)
@@ -439,7 +439,9 @@ def parse_value(text: str) -> Any:
 def apply_overrides(config, overrides, where: str) -> None:
     """Apply ``key=value`` strings in order (see :func:`apply_override`)."""
     for item in overrides:
-        apply_override(config, *parse_override(item, where))
+        key, value = parse_override(item, where)
+        check_interpolations(config, where)  # apply_override looks current values up (resolving them)
+        apply_override(config, key, value)
 
 
 def apply_override(config, key: str, value: Any) -> None:
