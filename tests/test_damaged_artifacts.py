@@ -636,3 +636,22 @@ def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, regist
     monkeypatch.chdir(elsewhere)
     loaded, _ = load_export(tmp_path / "export", registry)
     assert torch.equal(loaded.tokenizer(["a red squares"]), expected)
+
+
+def test_an_export_does_not_read_init_weights_its_recipe_names(tmp_path, monkeypatch, registry):
+    """A text tower's ``weights`` (a Hugging Face checkpoint to start from) is not read when the
+    model is rebuilt from an export, whose own weights replace it: a path leading out is never opened."""
+    from clipkit.export import load_export, write_export
+    from clipkit.model import build_model
+    from clipkit.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(SMOKE, ["model.text_encoder=distilbert_tiny"], registry=registry)
+    write_export(build_model(recipe, registry), recipe, tmp_path / "export", registry)
+    secret, _ = outside_file(tmp_path)
+    edit_json(
+        tmp_path / "export" / "clipkit.json",
+        lambda m: m["recipe"]["model"]["text_encoder"].update(weights=str(secret)),
+    )
+    model, _ = load_export(tmp_path / "export", registry)
+    assert model.encode_text(model.tokenizer(["a red square"])).points.shape[0] == 1
