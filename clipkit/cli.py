@@ -320,10 +320,11 @@ def read_tasks_file(path: Path) -> list[dict]:
     from omegaconf.errors import OmegaConfBaseException
 
     from clipkit.artifacts import one_line, read_text, yaml_problem
+    from clipkit.recipe import resolve_interpolations
 
     text = read_text(path, "tasks file")
     try:
-        loaded = OmegaConf.to_container(OmegaConf.create(text or "[]"), resolve=True)
+        loaded = resolve_interpolations(OmegaConf.create(text or "[]"), str(path))
     except yaml.MarkedYAMLError as error:
         raise ClipkitError(f"{path}: tasks file is not valid YAML ({yaml_problem(error)})") from error
     except (yaml.YAMLError, OmegaConfBaseException) as error:

@@ -6,12 +6,19 @@ seed evaluation uses, plus the resolved recipe — enough to rebuild the model w
 access to the run — and the sha256 of the weights (``files``), checked on load unless
 ``--no-verify``. ``clipkit eval`` reads only this directory; every way it can be damaged is
 reported as an :class:`~clipkit.errors.ArtifactError` naming the file.
+
+Every path an export names stays inside it (:func:`clipkit.integrity.contained`: resolved, symlinks
+followed): a ``files`` entry or a plugin file argument leading out (``../../etc/passwd``) is refused
+by name before anything is read. Files a plugin needs (a WordPiece ``vocab.txt``; the tokenizer's
+``export_files``) are copied into the export and checksummed with the weights.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +27,12 @@ import torch
 from clipkit import __version__
 from clipkit.artifacts import one_line, read_json_object, read_yaml_mapping
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
+from clipkit.integrity import describe_files, policy, reading_artifact, verify_files, warn_unverified
 from clipkit.io import atomic_directory
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
 from clipkit.recipe import SLOTS, get_path, section, validate, validate_or_raise
-from clipkit.registry import Registry
+from clipkit.registry import KINDS, Registry
 from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 
 FORMAT = "clipkit-export/1"
@@ -77,11 +84,17 @@ def write_export(model: ContrastiveModel, recipe: dict, out_dir: Path, registry:
     """Write weights + metadata into ``out_dir`` atomically (a complete export or none)."""
     from safetensors.torch import save_model
 
+    carried = getattr(model.tokenizer, "export_files", dict)()  # e.g. a WordPiece vocab.txt
+    if carried:  # the export holds its own copies: loading reads nothing outside it
+        recipe = copy.deepcopy(recipe)
+        recipe["model"]["tokenizer"].update({argument: f"tokenizer-{argument}" for argument in carried})
     metadata = describe(recipe, registry)
     with atomic_directory(out_dir) as building:
         # save_model records tied weights instead of refusing them (save_file raises on shared memory).
         save_model(model, str(building / WEIGHTS), metadata={"format": FORMAT})
-        metadata["files"] = describe_files(building, [WEIGHTS])
+        for argument, source in carried.items():
+            shutil.copyfile(source, building / f"tokenizer-{argument}")
+        metadata["files"] = describe_files(building, [WEIGHTS, *(f"tokenizer-{a}" for a in carried)])
         (building / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n", encoding="utf-8")
     return Path(out_dir)
 
@@ -134,6 +147,11 @@ def read_metadata(export_dir: Path) -> dict[str, Any]:
             isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("name"), str)
         ):
             raise ArtifactError(f"{path}: plugins.{slot} lacks its `kind` and `name`; {REDO}")
+        if info["kind"] not in KINDS:
+            raise ArtifactError(
+                f"{path}: plugins.{slot} names an unknown plugin kind {info['kind']!r} "
+                f"(known kinds: {', '.join(sorted(KINDS))}); {REDO}"
+            )
     return metadata
 
 
@@ -169,7 +187,8 @@ def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel,
         raise ArtifactError(
             f"{Path(export_dir) / METADATA}: its recipe is invalid (edited?): {listed}; {REDO}"
         )
-    model = build_model(recipe, registry)
+    with reading_artifact(export_dir, Path(export_dir) / METADATA):  # plugin files: inside the export
+        model = build_model(recipe, registry)
     load_weights(model, weights)
     return model.eval(), metadata
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipkit.errors import IntegrityError
+from clipkit.errors import ArtifactError, IntegrityError
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -91,7 +91,7 @@ def verify_files(directory: Path, recorded: dict, *, where: Path, what: str) -> 
         raise IntegrityError(f"{where}: its file checksums are malformed; the {what} cannot be verified")
     directory = Path(directory)
     for name, entry in sorted(recorded.items()):
-        path = directory / name
+        path = contained(directory, name, where=where, entry="files entry", what=what)
         if not path.is_file():
             raise IntegrityError(f"{path}: missing (listed in {where.name}); the {what} is incomplete")
         size = path.stat().st_size
@@ -107,6 +107,54 @@ def verify_files(directory: Path, recorded: dict, *, where: Path, what: str) -> 
                 f"was damaged or edited after it was written; copy it again, use another {what}, or pass "
                 f"--no-verify to load it anyway"
             )
+
+
+def contained(root: Path, name: str, *, where: Path, entry: str, what: str) -> Path:
+    """``root / name``, refused unless it stays inside ``root`` once resolved (``..``, absolute paths
+    and symlinks leading out included): a crafted export or checkpoint must not make clipkit read,
+    hash or print anything of another file. ``where`` (the file naming it) and ``entry`` are named."""
+    root = Path(root)
+    base = root.resolve()
+    target = (root / name).resolve() if isinstance(name, str) and name and "\0" not in name else None
+    if target is None or not (target == base or base in target.parents):
+        raise ArtifactError(
+            f"{where}: {entry} {name!r} points outside the {what} ({root}); refused — every file "
+            f"an {what} names must be inside it"
+        )
+    return root / name
+
+
+_ARTIFACT: contextvars.ContextVar[tuple[Path, Path] | None] = contextvars.ContextVar(
+    "clipkit_artifact", default=None
+)
+
+
+@contextlib.contextmanager
+def reading_artifact(root: Path, where: Path) -> Iterator[None]:
+    """Inside the block plugins build from an artifact's metadata (``where``, e.g. an export's
+    ``clipkit.json``): the files their arguments name are read from inside ``root`` only
+    (:func:`plugin_file`)."""
+    token = _ARTIFACT.set((Path(root), Path(where)))
+    try:
+        yield
+    finally:
+        _ARTIFACT.reset(token)
+
+
+def artifact_root() -> Path | None:
+    """The artifact being read (:func:`reading_artifact`), or None."""
+    current = _ARTIFACT.get()
+    return current[0] if current else None
+
+
+def plugin_file(value: str, argument: str) -> Path:
+    """The file a plugin argument (e.g. a tokenizer's ``vocab``) names: as given (``~`` expanded)
+    from a recipe; relative to the export and contained in it while one is read."""
+    current = _ARTIFACT.get()
+    if current is None:
+        return Path(value).expanduser()
+    root, where = current
+    return contained(root, value, where=where, entry=argument, what="export")
 
 
 def warn_unverified(path: Path, what: str) -> None:

@@ -203,6 +203,7 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
         if not isinstance(variants[name], dict):
             raise RecipeError(base_name, [f"variants.{name}: must be a mapping of key -> value"])
         for key, value in variants[name].items():
+            check_interpolations(config, spec)
             apply_override(config, key, value)
     apply_overrides(config, overrides, spec)
     resolved = resolve_interpolations(config, spec)
@@ -214,17 +215,198 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     return resolved
 
 
+#: Bounds on ``${...}`` resolution. A recipe is a few kilobytes; interpolations that repeat a value
+#: (``a1: ${a0}${a0}``, ``a2: ${a1}${a1}``, ...) double it at every level, and OmegaConf resolves each
+#: reference afresh, so 25 levels take tens of gigabytes and 2**25 steps. Both are estimated from the
+#: recipe's text before anything is resolved.
+MAX_RESOLVED_CHARS = 1_000_000  # characters one value may resolve to
+MAX_RESOLUTION_STEPS = 100_000  # references OmegaConf would follow to resolve one value
+MAX_INTERPOLATION_DEPTH = 32  # references in a chain (a -> b -> c ...)
+
+
 def resolve_interpolations(config, where: str) -> dict:
-    """The plain dict of ``config`` with ``${...}`` resolved; a bad interpolation is a RecipeError."""
+    """The plain dict of ``config`` with ``${...}`` resolved; a bad interpolation is a RecipeError.
+
+    Only references to other keys of the recipe (``${train.steps}``, ``${..embed_dim}``) are
+    resolved. Resolvers (``${oc.env:VAR}``, ``${oc.decode:...}``, any registered ``${name:...}``)
+    are refused before anything is resolved, naming the key: a resolver brings in something the
+    recipe does not hold (an environment variable, a secret), and the resolved recipe is written to
+    ``RUN/recipe.yaml``, ``state.pt`` and every export's ``clipkit.json`` and echoed in error
+    messages — so its value would land in artifacts and logs. Refusing is the simpler safe design:
+    keeping the reference unresolved in everything written would need a second, unresolved copy of
+    the recipe carried beside the resolved one through training, checkpoints and exports, and a
+    recipe whose meaning depends on the environment would not reproduce from its own
+    ``recipe.yaml`` anyway. Resolution is also bounded (:data:`MAX_RESOLVED_CHARS`,
+    :data:`MAX_RESOLUTION_STEPS`, :data:`MAX_INTERPOLATION_DEPTH`) by :func:`check_interpolations`.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    check_interpolations(config, where)
     try:
         return OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RecipeError(where, [f"{key}: cannot resolve interpolation ({message})"]) from error
+
+
+def check_interpolations(config, where: str) -> None:
+    """Refuse resolvers and interpolations too large or deep to resolve, naming the key; resolves nothing.
+
+    Each ``${key}`` of every value is followed once (memoised), adding up the characters and the
+    references OmegaConf would produce and follow, so the check costs the size of the recipe.
+    """
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(config, resolve=False)
+    estimate = _Estimate(raw, where)
+    for path in _leaf_paths(raw):
+        estimate.origin = path
+        estimate.cost(path, 0)
+
+
+def _leaf_paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+    if isinstance(node, dict):
+        return [p for key, value in node.items() for p in _leaf_paths(value, (*prefix, key))]
+    if isinstance(node, list):
+        return [p for i, value in enumerate(node) for p in _leaf_paths(value, (*prefix, i))]
+    return [prefix]
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(map(str, path)) or "<root>"
+
+
+class _Estimate:
+    """Characters and reference steps each node of a raw (unresolved) recipe resolves to."""
+
+    def __init__(self, raw: Any, where: str) -> None:
+        self.raw, self.where = raw, where
+        self.memo: dict[tuple, tuple[int, int]] = {}
+        self.active: set[tuple] = set()
+        self.origin: tuple = ()  # the value being checked (named when its chain is too deep)
+
+    def fail(self, path: tuple, problem: str) -> None:
+        raise RecipeError(self.where, [f"{_dotted(path)}: {problem}"])
+
+    def cost(self, path: tuple, depth: int) -> tuple[int, int, int]:
+        """(characters, reference steps, chain height) of the value at ``path``."""
+        found, node, path = _lookup(self.raw, path)
+        if not found or path in self.active:
+            return (0, 1, 0)  # a missing key or a cycle: OmegaConf reports it when it resolves
+        if path in self.memo:
+            return self.memo[path]
+        if depth > MAX_INTERPOLATION_DEPTH:
+            self.fail(
+                self.origin, f"interpolations nested more than {MAX_INTERPOLATION_DEPTH} references deep"
+            )
+        self.active.add(path)
+        chars = steps = height = 0
+        try:
+            if isinstance(node, dict | list):
+                for key in node.keys() if isinstance(node, dict) else range(len(node)):
+                    c, s, h = self.cost((*path, key), depth)
+                    chars, steps, height = chars + c + len(str(key)) + 4, steps + s, max(height, h)
+            elif isinstance(node, str) and "${" in node:
+                chars, steps = len(node), 1
+                for target, written in self.references(path, node):
+                    c, s, h = self.cost(target, depth + 1)  # `${...}` (`written` characters) -> c
+                    chars, steps, height = chars - written + c, steps + s, max(height, h + 1)
+            else:
+                chars = len(str(node))
+        finally:
+            self.active.discard(path)
+        if height > MAX_INTERPOLATION_DEPTH:
+            self.fail(path, f"interpolations nested more than {MAX_INTERPOLATION_DEPTH} references deep")
+        if chars > MAX_RESOLVED_CHARS:
+            self.fail(
+                path,
+                f"interpolations resolve to more than {MAX_RESOLVED_CHARS:,} characters "
+                "(values repeated by nested ${...}); recipe values are bounded",
+            )
+        if steps > MAX_RESOLUTION_STEPS:
+            self.fail(
+                path,
+                f"interpolations need more than {MAX_RESOLUTION_STEPS:,} references to resolve "
+                "(values repeated by nested ${...}); recipe values are bounded",
+            )
+        self.memo[path] = (chars, steps, height)
+        return self.memo[path]
+
+    def references(self, path: tuple, text: str) -> list[tuple[tuple, int]]:
+        """(absolute path, length of its ``${...}``) of each reference in ``text`` (the value at
+        ``path``); a resolver is an error."""
+        from omegaconf import grammar_parser
+        from omegaconf._utils import split_key
+        from omegaconf.errors import GrammarParseError
+
+        try:
+            tree = grammar_parser.parse(text)
+        except GrammarParseError:
+            return []  # OmegaConf reports the syntax error when it resolves
+        targets = []
+        stack = [tree]
+        while stack:
+            node = stack.pop()
+            kind = type(node).__name__
+            if kind == "InterpolationResolverContext":
+                name = node.getChild(1).getText()
+                self.fail(
+                    path,
+                    f"the resolver ${{{name}:...}} is not allowed in recipes (resolvers read the environment "
+                    "or files, and a recipe is written to recipe.yaml, checkpoints and exports); "
+                    "write the value itself",
+                )
+            if kind == "InterpolationNodeContext":
+                keys = [c for c in node.getChildren() if type(c).__name__ == "ConfigKeyContext"]
+                if any(
+                    c.getChildCount() and type(c.getChild(0)).__name__ != "TerminalNodeImpl" for c in keys
+                ):
+                    self.fail(
+                        path, "a key built from an interpolation (${a.${b}}) is not supported in recipes"
+                    )
+                written = node.getText()
+                targets.append((_absolute(path, split_key(written[2:-1])), len(written)))
+            stack.extend(node.getChildren() if hasattr(node, "getChildren") else [])
+        return [(self.redirect(target, 0), written) for target, written in targets]
+
+    def redirect(self, target: tuple, hops: int) -> tuple:
+        """``target`` with any prefix that is itself a bare ``${key}`` replaced by where it points."""
+        for cut in range(len(target) - 1, 0, -1):
+            found, node, _ = _lookup(self.raw, target[:cut])
+            if found and isinstance(node, str) and hops < MAX_INTERPOLATION_DEPTH:
+                refs = self.references(target[:cut], node) if node.startswith("${") else []
+                if len(refs) == 1 and refs[0][1] == len(node):
+                    return self.redirect((*refs[0][0], *target[cut:]), hops + 1)
+        return target
+
+
+def _absolute(path: tuple, parts: list[str]) -> tuple:
+    """The absolute key of ``${...}`` (split by OmegaConf) written in the value at ``path``."""
+    dots = 0
+    while dots < len(parts) and parts[dots] == "":
+        dots += 1
+    base = path[:-1] if dots else ()
+    if dots > 1:
+        base = base[: max(len(base) - (dots - 1), 0)]
+    return (*base, *parts[dots:])
+
+
+def _lookup(raw: Any, path: tuple) -> tuple[bool, Any, tuple]:
+    """(found, the node at ``path``, ``path`` with the keys as stored: list indices as ints)."""
+    node, canonical = raw, []
+    for part in path:
+        numeric = str(part).lstrip("-").isdigit()
+        if numeric and (isinstance(node, list) or isinstance(node, dict) and part not in node):
+            part = int(part)
+        in_dict = isinstance(node, dict) and part in node
+        if in_dict or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+            canonical.append(part)
+        else:
+            return False, None, path
+    return True, node, tuple(canonical)
 
 
 def parse_override(item: str, where: str) -> tuple[str, Any]:
@@ -257,7 +439,9 @@ def parse_value(text: str) -> Any:
 def apply_overrides(config, overrides, where: str) -> None:
     """Apply ``key=value`` strings in order (see :func:`apply_override`)."""
     for item in overrides:
-        apply_override(config, *parse_override(item, where))
+        key, value = parse_override(item, where)
+        check_interpolations(config, where)  # apply_override looks current values up (resolving them)
+        apply_override(config, key, value)
 
 
 def apply_override(config, key: str, value: Any) -> None:

@@ -220,6 +220,20 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
         EVAL,
         "model.safetensors",
     ),
+    (
+        "metadata-plugin-kind-unknown",
+        lambda: edit_json(
+            EXPORT / "clipkit.json", lambda m: m["plugins"]["model.tokenizer"].update(kind="tokenzier")
+        ),
+        EVAL,
+        "plugins.model.tokenizer names an unknown plugin kind 'tokenzier' (known kinds: encoder,",
+    ),
+    (
+        "metadata-files-entry-outside",
+        lambda: edit_json(EXPORT / "clipkit.json", lambda m: m["files"].update({"../../x": {"sha256": "0"}})),
+        EVAL,
+        "clipkit.json: files entry '../../x' points outside the export",
+    ),
     # --- checkpoints (train --resume, export)
     ("state-truncated", lambda: truncate(CKPT / "state.pt"), RESUME, "state.pt"),
     ("state-flipped-byte", lambda: flip_byte(CKPT / "state.pt"), RESUME, "state.pt"),
@@ -290,6 +304,14 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
         RESUME,
         "recipe.yaml",
     ),
+    (
+        "ckpt-manifest-lists-outside-file",
+        lambda: edit_json(
+            CKPT / "checkpoint.json", lambda m: m["files"].update({"../../../x": {"sha256": "0"}})
+        ),
+        RESUME,
+        "files entry '../../../x' points outside the checkpoint",
+    ),
     ("export-state-truncated", lambda: truncate(CKPT / "state.pt"), EXPORT_CMD, "state.pt"),
     (
         "export-state-other-model",
@@ -331,6 +353,12 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
         write_recipe(b"- {name: zero_shot\n"),
         ("eval", "run/export", "--tasks", "bad.yaml"),
         "bad.yaml",
+    ),
+    (
+        "tasks-file-env-resolver",
+        write_recipe(b"- {name: retrieval, data: '${oc.env:HOME}'}\n"),
+        ("eval", "run/export", "--tasks", "bad.yaml"),
+        "0.data: the resolver ${oc.env:...} is not allowed",
     ),
 ]
 
@@ -538,3 +566,92 @@ def test_no_verify_skips_the_checkpoint_manifest(work, app, command):
     assert_clean_failure(invoke(app, *command), "gone.pt")
     result = invoke(app, *command, "--no-verify")
     assert result.exit_code == 0, result.output
+
+
+# ----------------------------------------------------------------------------- contained exports
+
+
+def outside_file(tmp_path: Path) -> tuple[Path, str]:
+    """A file outside the export (as /etc/passwd would be) and its sha256."""
+    secret = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    return secret, describe_files(secret.parent, [secret.name])[secret.name]["sha256"]
+
+
+@pytest.mark.parametrize("how", ["dot-dot", "absolute", "symlink"])
+def test_an_export_reads_no_file_outside_it(work, app, how):
+    """A `files` entry leading out of the export (``..``, an absolute path, a symlink inside it)
+    is refused by name before the file is read: nothing of it (not even part of its hash) is printed."""
+    secret, digest = outside_file(work)
+    if how == "symlink":
+        (EXPORT / "notes.txt").symlink_to(secret)
+        name = "notes.txt"
+    else:
+        name = os.path.relpath(secret, EXPORT) if how == "dot-dot" else str(secret)
+    edit_json(EXPORT / "clipkit.json", lambda m: m["files"].update({name: {"sha256": "0" * 64}}))
+    result = invoke(app, *EVAL)
+    assert_clean_failure(result, f"files entry {name!r} points outside the export")
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert digest[:8] not in result.output and not Path("report.json").exists()
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["dot-dot", "absolute"])
+def test_a_tokenizer_vocab_outside_the_export_is_refused(work, app, relative):
+    secret, _ = outside_file(work)
+    secret.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nroot\n")
+    vocab = os.path.relpath(secret, EXPORT) if relative else str(secret)
+
+    def point_outside(metadata: dict) -> None:
+        tokenizer = {"name": "wordpiece", "vocab": vocab, "context_length": 16}
+        metadata["recipe"]["model"]["tokenizer"] = tokenizer
+        metadata["plugins"]["model.tokenizer"].update(name="wordpiece", kwargs={"vocab": vocab})
+
+    edit_json(EXPORT / "clipkit.json", point_outside)
+    result = invoke(app, *EVAL)
+    assert_clean_failure(result, f"model.tokenizer.vocab {vocab!r} points outside the export")
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, registry):
+    """A recipe's vocab.txt is copied into the export (checksummed), so the export loads with the
+    original file gone and reads nothing outside itself."""
+    from clipkit.export import load_export, write_export
+    from clipkit.model import build_model
+    from clipkit.recipe import load_recipe
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "red", "square", "##s"]) + "\n")
+    monkeypatch.chdir(tmp_path)
+    tokenizer = f"model.tokenizer={{name: wordpiece, vocab: {vocab}, context_length: 8}}"
+    recipe = load_recipe(SMOKE, [tokenizer], registry=registry)
+    model = build_model(recipe, registry)
+    expected = model.tokenizer(["a red squares"])
+    write_export(model, recipe, tmp_path / "export", registry)
+    vocab.unlink()
+    metadata = json.loads((tmp_path / "export" / "clipkit.json").read_text())
+    assert metadata["recipe"]["model"]["tokenizer"]["vocab"] == "tokenizer-vocab"
+    assert "tokenizer-vocab" in metadata["files"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded, _ = load_export(tmp_path / "export", registry)
+    assert torch.equal(loaded.tokenizer(["a red squares"]), expected)
+
+
+def test_an_export_does_not_read_init_weights_its_recipe_names(tmp_path, monkeypatch, registry):
+    """A text tower's ``weights`` (a Hugging Face checkpoint to start from) is not read when the
+    model is rebuilt from an export, whose own weights replace it: a path leading out is never opened."""
+    from clipkit.export import load_export, write_export
+    from clipkit.model import build_model
+    from clipkit.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(SMOKE, ["model.text_encoder=distilbert_tiny"], registry=registry)
+    write_export(build_model(recipe, registry), recipe, tmp_path / "export", registry)
+    secret, _ = outside_file(tmp_path)
+    edit_json(
+        tmp_path / "export" / "clipkit.json",
+        lambda m: m["recipe"]["model"]["text_encoder"].update(weights=str(secret)),
+    )
+    model, _ = load_export(tmp_path / "export", registry)
+    assert model.encode_text(model.tokenizer(["a red square"])).points.shape[0] == 1

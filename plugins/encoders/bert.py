@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from clipkit.errors import ClipkitError
+from clipkit.integrity import artifact_root
 from clipkit.plugins.tokenizers.wordpiece import packaged_model_dir
 from clipkit.types import PointSet
 
@@ -364,7 +365,7 @@ def distilbert(
         dropout=dropout,
         grad_checkpointing=grad_checkpointing,
     )
-    if weights is not None:
+    if weights is not None and artifact_root() is None:  # rebuilt from an export: its weights replace these
         load_hf_weights(backbone, weights, "distilbert")
     return BertTextEncoder(
         embed_dim=embed_dim, context_length=context_length, backbone=backbone, output=output, frozen=frozen

@@ -85,10 +85,14 @@ def packaged_model_dir() -> Path:
 
 
 def resolve_vocab_path(vocab: str) -> str:
-    """``"minilm"`` -> the packaged vocab.txt; anything else is a path to a vocab.txt."""
+    """``"minilm"`` -> the packaged vocab.txt; anything else is a path to a vocab.txt (inside the
+    export when the tokenizer is rebuilt from one: exports carry their own copy, see
+    :meth:`WordPieceTokenizer.export_files`)."""
+    from clipkit.integrity import plugin_file
+
     if vocab == "minilm":
         return str(packaged_model_dir() / "vocab.txt")
-    path = Path(vocab).expanduser()
+    path = plugin_file(vocab, "model.tokenizer.vocab")
     if not path.is_file():
         raise ClipkitError(
             f"WordPiece vocabulary {vocab!r} is neither a vocab.txt file nor one of {PACKAGED_VOCABS}"
@@ -244,6 +248,11 @@ class WordPieceTokenizer:
         self.lowercase = lowercase
         self.strip_accents = strip_accents
         self.vocab_size = len(self.vocab)  # also validates the file now rather than in a worker
+
+    def export_files(self) -> dict[str, Path]:
+        """Files an export must carry to rebuild this tokenizer: argument -> file (clipkit export
+        copies each into the export and names the copy, since an export reads nothing outside it)."""
+        return {} if self.vocab_name in PACKAGED_VOCABS else {"vocab": Path(self.vocab_path)}
 
     @property
     def vocab(self) -> dict[str, int]:
