@@ -113,7 +113,7 @@ def test_a_failing_task_does_not_stop_the_suite(table, export, tmp_path):
     assert "**failed**" in out.with_suffix(".md").read_text()
 
 
-# ----------------------------------------------------------------------------- a class list that is not the data's
+# ------------------------------------------------------------------- a class list that is not the data's
 
 CIFAR10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
