@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 DISTRIBUTION = "clipkit-contrastive"
 
 
-def load(path, *, device="cpu", registry=None):
+def load(path, *, device="cpu", registry=None, quick_gelu=None):
     """See :func:`clipkit.loading.load` (imported on first use: ``import clipkit`` stays light)."""
     from clipkit.loading import load as load_model
 
-    return load_model(path, device=device, registry=registry)
+    return load_model(path, device=device, registry=registry, quick_gelu=quick_gelu)

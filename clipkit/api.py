@@ -255,7 +255,8 @@ def convert(
     ``open_clip_model.safetensors``), an OpenAI/open_clip-layout ``.safetensors`` state dict, or a
     Hugging Face ``CLIPModel`` directory. ``to``: "clipkit", "open_clip", "state_dict" (a
     ``.safetensors`` file) or "hf". ``quick_gelu`` says which activation a bare state dict was
-    trained with (None: QuickGELU, as OpenAI's weights). Only safetensors are read, never pickles.
+    trained with (None: from a ``open_clip_config.json`` beside it or the header clipkit writes,
+    else refused: the tensors cannot say). Only safetensors are read, never pickles.
     """
     registry = registry or default_registry()
     options = {"quick_gelu": quick_gelu}
@@ -277,19 +278,22 @@ def evaluate(
     output: Path | None = None,
     plots: bool = True,
     verify: bool | None = None,
+    quick_gelu: bool | None = None,
 ) -> dict:
     """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
 
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
     (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
+    ``quick_gelu``: a bare state dict's activation, as for :func:`convert`.
     """
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
     from clipkit.integrity import loading
 
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
-        report = evaluate_export(Path(export_dir), tasks, registry or default_registry())
+        options = {"quick_gelu": quick_gelu}
+        report = evaluate_export(Path(export_dir), tasks, registry or default_registry(), options=options)
     report["summary"] = summarize(report["results"])
     if output is not None:
         write_eval_report(report, Path(output), plots=plots)

@@ -23,6 +23,11 @@ Start with: clipkit train quickstart"""
 
 
 NO_VERIFY_HELP = "Skip the sha256 check of the files against the checksums recorded when they were written"
+QUICK_GELU_HELP = (
+    "The activation a bare .safetensors state dict was trained with (QuickGELU: OpenAI's weights; "
+    "--no-quick-gelu: open_clip's own), which its tensors cannot say; needed unless an "
+    "open_clip_config.json is beside it"
+)
 TRUST_HELP = (
     "Allow unpickling the checkpoint's files (can run code the files name): only for checkpoints you "
     "wrote yourself, e.g. with an older clipkit"
@@ -240,9 +245,7 @@ def convert_command(
         Path, typer.Argument(help="Where to write (a directory; a .safetensors file for state_dict)")
     ],
     to: Annotated[str, typer.Option(help="Target layout: clipkit | open_clip | state_dict | hf")] = "clipkit",
-    quick_gelu: Annotated[
-        bool, typer.Option(help="A bare state dict's activation (default: QuickGELU, OpenAI's)")
-    ] = None,
+    quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
     """Convert plain CLIP weights between clipkit, open_clip, OpenAI and Hugging Face layouts."""
     from clipkit import api
@@ -283,6 +286,7 @@ def eval_command(
     output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
     plots: Annotated[bool, typer.Option(help="Write PNG plots next to the JSON report")] = True,
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
+    quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
     """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
     from clipkit import api
@@ -295,7 +299,13 @@ def eval_command(
         tasks = (tasks or []) + [config]
     output = output or default_eval_output(export_dir)
     report = api.evaluate(
-        export_dir, tasks, registry=registry(), output=output, plots=plots, verify=not no_verify
+        export_dir,
+        tasks,
+        registry=registry(),
+        output=output,
+        plots=plots,
+        verify=not no_verify,
+        quick_gelu=quick_gelu,
     )
     print_evals(report["results"], report.get("summary"))
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")

@@ -156,14 +156,16 @@ def read_metadata(export_dir: Path) -> dict[str, Any]:
 
 
 def verify_export(export_dir: Path, metadata: dict[str, Any]) -> None:
-    """The weights against the checksums in ``clipkit.json`` (older exports have none: a warning)."""
+    """The weights against the checksums in ``clipkit.json``. Only an export with no ``files`` key
+    (written before checksums existed) loads unverified, with a one-line warning each time; a
+    ``files`` map without ``model.safetensors`` (``files: {}``) is refused."""
     if not policy().verify:
         return
     path = Path(export_dir) / METADATA
     if "files" not in metadata:
         warn_unverified(path, "the weights are")
         return
-    verify_files(export_dir, metadata["files"], where=path, what="export")
+    verify_files(export_dir, metadata["files"], where=path, what="export", required=[WEIGHTS])
 
 
 def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel, dict[str, Any]]:

@@ -84,21 +84,25 @@ def augmented(data) -> bool:
 
 
 def init_options(init: Any) -> dict:
-    """``model.init`` as {path, include, exclude, strict}."""
+    """``model.init`` as {path, include, exclude, strict, quick_gelu} (``quick_gelu``: the activation
+    a bare state dict was trained with, which its tensors cannot say)."""
     if isinstance(init, str | Path):
         init = {"path": str(init)}
     if not isinstance(init, dict) or not init.get("path"):
         raise ClipkitError(
             "model.init: give a path, or {path: ..., include: [...], exclude: [...], strict: true}"
         )
-    unknown = set(init) - {"path", "include", "exclude", "strict"}
+    unknown = set(init) - {"path", "include", "exclude", "strict", "quick_gelu"}
     if unknown:
-        raise ClipkitError(f"model.init: unknown keys {sorted(unknown)} (path, include, exclude, strict)")
+        raise ClipkitError(
+            f"model.init: unknown keys {sorted(unknown)} (path, include, exclude, strict, quick_gelu)"
+        )
     return {
         "path": Path(init["path"]).expanduser(),
         "include": list(init.get("include") or ["*"]),
         "exclude": list(init.get("exclude") or []),
         "strict": bool(init.get("strict", True)),
+        "quick_gelu": None if init.get("quick_gelu") is None else bool(init["quick_gelu"]),
     }
 
 
@@ -119,7 +123,7 @@ def init_from(model: nn.Module, init: Any, registry) -> list[str]:
     options = init_options(init)
     where = f"model.init ({options['path']})"
     try:
-        source, _ = load_model(options["path"], registry)
+        source, _ = load_model(options["path"], registry, options={"quick_gelu": options["quick_gelu"]})
     except ClipkitError as error:
         raise ClipkitError(f"{where}: {error}") from None
     check_activations(model, source, where)

@@ -79,16 +79,26 @@ def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict]:
     }
 
 
-def verify_files(directory: Path, recorded: dict, *, where: Path, what: str) -> None:
-    """Raise :class:`IntegrityError` naming the first file that is missing, resized or altered.
+def verify_files(
+    directory: Path, recorded: dict, *, where: Path, what: str, required: Iterable[str] = ()
+) -> None:
+    """Raise :class:`IntegrityError` naming the first file that is missing, resized or altered, or
+    that is ``required`` (a file the reader will load) but has no checksum in ``recorded``.
 
     ``where`` is the file holding the checksums (named in the message); ``what`` says what the
-    directory is ("export", "checkpoint") for the advice.
+    directory is ("export", "checkpoint") for the advice. Only an artifact with no checksum record
+    at all (written before checksums existed) may load unverified: see :func:`warn_unverified`.
     """
     if not isinstance(recorded, dict) or not all(
         isinstance(entry, dict) and isinstance(entry.get("sha256"), str) for entry in recorded.values()
     ):
         raise IntegrityError(f"{where}: its file checksums are malformed; the {what} cannot be verified")
+    for name in sorted(set(required) - set(recorded)):
+        listed = ", ".join(sorted(recorded)) or "none"
+        raise IntegrityError(
+            f"{Path(directory) / name}: no checksum in {where.name} (files listed: {listed}); the {what} "
+            f"cannot be verified: write it again, or pass --no-verify to load it anyway"
+        )
     directory = Path(directory)
     for name, entry in sorted(recorded.items()):
         path = contained(directory, name, where=where, entry="files entry", what=what)

@@ -103,18 +103,25 @@ class Model(nn.Module):
 
 
 def load(
-    path: str | Path, *, device: str | torch.device = "cpu", registry: Registry | None = None
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    registry: Registry | None = None,
+    quick_gelu: bool | None = None,
 ) -> tuple[Model, Preprocess, Any]:
     """Load any model clipkit reads: ``(model, preprocess, tokenizer)``.
 
     ``path``: a clipkit export directory, an open_clip directory, a Hugging Face CLIPModel
     directory, or an OpenAI/open_clip-layout ``.safetensors`` state dict. The tokenizer maps a list
-    of B strings to ids [B, L] (None for a two-view image-only model).
+    of B strings to ids [B, L] (None for a two-view image-only model). ``quick_gelu``: the
+    activation a bare state dict was trained with, which its tensors cannot say (None: from a
+    config beside it or the header clipkit writes, else refused).
     """
     from clipkit.export import load_model
     from clipkit.registry import default_registry
 
-    contrastive, metadata = load_model(Path(path), registry or default_registry())
+    options = {"quick_gelu": quick_gelu}
+    contrastive, metadata = load_model(Path(path), registry or default_registry(), options=options)
     preprocess = Preprocess(contrastive.transform)
     model = Model(contrastive.to(device), metadata, preprocess).eval()
     return model, preprocess, contrastive.tokenizer

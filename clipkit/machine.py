@@ -8,7 +8,13 @@ not the host's count) — shared among the processes of this node (``LOCAL_WORLD
 the model's arithmetic is not on the CPU: all but :data:`ACCELERATOR_HOST_THREADS` CPUs decode (at
 most :data:`MAX_AUTO_WORKERS_ACCELERATOR`) — measured on an H200 with 16 cores, 8 workers fed a
 ViT-B/16 bf16 step at 0.82x of what it consumes, 16 at 1.28x (docs/benchmarks.md, "GPU").
-A number set in the recipe is kept.
+A number set in the recipe is kept. ``train.threads: auto`` takes a thread count the environment
+sets (``OMP_NUM_THREADS``, else ``MKL_NUM_THREADS``: what torch itself reads, and what ``torchrun``
+and ``accelerate launch`` set per process) before deriving one.
+
+The main process prints one line at start: how many processes really run, with how many torch
+threads and loader workers each (:func:`fit_to_machine`), and a warning when the launcher was asked
+for more processes than started (:func:`launch_warning`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,59 @@ def processes_on_node() -> int:
         return 1
 
 
+#: Thread counts the environment sets, in the order torch honours them.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def environment_threads() -> tuple[int, str] | None:
+    """(count, variable) of the first of :data:`THREAD_VARIABLES` set to a positive integer."""
+    for name in THREAD_VARIABLES:
+        try:
+            count = int(os.environ.get(name, "").strip())
+        except ValueError:
+            continue
+        if count >= 1:
+            return count, name
+    return None
+
+
+def requested_processes() -> int | None:
+    """How many processes ``accelerate launch`` was asked for, read off its command line (this
+    process's parent) where it can be; None where it cannot."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as stream:
+            words = stream.read().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return None
+    for i, word in enumerate(words):
+        for flag in ("--num_processes", "--num-processes"):
+            value = words[i + 1] if word == flag and i + 1 < len(words) else None
+            value = word.split("=", 1)[1] if word.startswith(flag + "=") else value
+            if value is not None and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def launch_warning(world_size: int) -> str | None:
+    """A one-line warning when the launcher was asked for several processes but ``world_size``
+    (the processes that really run) is 1: ``accelerate launch`` with ``--cpu`` (or without
+    ``--multi_gpu``) runs its single-process launcher, which sets ``MASTER_ADDR`` for the processes
+    it was asked for but starts one, without ``WORLD_SIZE``."""
+    launched_by_accelerate = "ACCELERATE_USE_CPU" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    if world_size != 1 or "WORLD_SIZE" in os.environ or not launched_by_accelerate:
+        return None
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    asked = requested_processes()
+    count = str(asked) if asked else "N"
+    return (
+        f"warning: accelerate launch was asked for {asked or 'several'} processes but started 1 (with "
+        f"--cpu, or without --multi_gpu, it runs a single process); for {count} CPU processes run "
+        f"`accelerate launch --multi_gpu --num_processes {count} -m clipkit train ...` (no --cpu; it "
+        "uses the CPUs where there is no GPU)"
+    )
+
+
 @dataclass(frozen=True)
 class MachineFit:
     """The loader workers and torch threads a run uses, and a one-line notice of what was derived."""
@@ -58,20 +117,35 @@ def auto_workers(share: int, accelerator: bool) -> int:
     return min(MAX_AUTO_WORKERS, share // 2)
 
 
-def fit_to_machine(num_workers: int | str, threads: int | str, *, accelerator: bool = False) -> MachineFit:
+def fit_to_machine(
+    num_workers: int | str, threads: int | str, *, accelerator: bool = False, processes: int | None = None
+) -> MachineFit:
     """Resolve ``auto`` values of ``data.num_workers`` / ``train.threads`` (see the module docs);
-    ``accelerator``: the model trains on a GPU, so the CPUs mostly decode."""
-    cpus, processes = usable_cpus(), processes_on_node()
-    share = max(1, cpus // processes)
+    ``accelerator``: the model trains on a GPU, so the CPUs mostly decode. ``processes``: how many
+    training processes really run (the world size; default: the launcher's ``LOCAL_WORLD_SIZE``).
+    The notice says what each process runs with and where the numbers came from."""
+    cpus, on_node = usable_cpus(), processes_on_node()
+    share = max(1, cpus // on_node)
     workers = auto_workers(share, accelerator) if num_workers == AUTO else int(num_workers)
-    count = max(1, share - workers) if threads == AUTO else int(threads)
-    derived = [f"data.num_workers={workers}"] * (num_workers == AUTO) + [f"train.threads={count}"] * (
-        threads == AUTO
+    environment = environment_threads()
+    derived = [f"data.num_workers={workers}"] * (num_workers == AUTO)
+    if threads == AUTO and environment is not None:
+        count = environment[0]
+        derived.append(f"train.threads={count} (from {environment[1]})")
+    elif threads == AUTO:
+        count = max(1, share - workers)
+        derived.append(f"train.threads={count}")
+    else:
+        count = int(threads)
+    processes = on_node if processes is None else processes
+    notice = (
+        f"machine: {processes} process(es), each with {count} torch thread(s) and {workers} loader "
+        f"worker(s); {cpus} usable CPU(s)" + (f" ({share} per process of {on_node})" if on_node > 1 else "")
     )
-    notice = ""
     if derived:
-        per = f" ({share} per process of {processes})" if processes > 1 else ""
-        notice = f"machine: {cpus} usable CPU(s){per} -> {', '.join(derived)} (set them to override)"
+        notice += f" -> {', '.join(derived)} (set them to override)"
+    if threads != AUTO and environment is not None and environment[0] != count:
+        notice += f"; train.threads={count} from the recipe overrides {environment[1]}={environment[0]}"
     return MachineFit(workers, count, notice)
 
 

@@ -512,6 +512,43 @@ def test_an_export_without_checksums_loads_with_a_one_line_warning(work, app, ca
     assert len(warnings) == 1 and "clipkit.json" in warnings[0] and "\n" not in warnings[0]
 
 
+def flip_tensor_byte(weights: Path) -> None:
+    """Flip a byte inside the first tensor's data (the header still parses: only a checksum sees it)."""
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    flip_byte(weights, header + 3)
+
+
+@pytest.mark.parametrize(
+    "files", [{}, {"recipe.yaml": {"sha256": "0" * 64}}], ids=["files-empty", "weights-not-listed"]
+)
+def test_an_export_listing_no_checksum_for_its_weights_is_refused(work, app, files):
+    """`files: {}` with flipped weight bytes was evaluated with exit 0: only an export with no
+    `files` key at all (written before checksums) may load unverified."""
+    edit_json(EXPORT / "clipkit.json", lambda m: m.update(files=files))
+    flip_tensor_byte(EXPORT / "model.safetensors")
+    before = (EXPORT / "model.safetensors").read_bytes()
+    result = invoke(app, *EVAL)
+    assert_clean_failure(result, "model.safetensors: no checksum in clipkit.json")
+    (line,) = [text for text in result.output.splitlines() if text.strip()]
+    assert "--no-verify" in line and not Path("report.json").exists()
+    assert (EXPORT / "model.safetensors").read_bytes() == before  # nothing changed
+
+
+def test_a_checkpoint_manifest_listing_no_checksum_for_state_is_refused(work, app):
+    edit_json(CKPT / "checkpoint.json", lambda m: m["files"].pop("state.pt"))
+    assert_clean_failure(invoke(app, *EXPORT_CMD), "state.pt: no checksum in checkpoint.json")
+    assert not Path("out").exists()
+
+
+def test_an_export_from_before_checksums_warns_every_time_it_loads(work, app, caplog):
+    edit_json(EXPORT / "clipkit.json", lambda m: m.pop("files"))
+    with caplog.at_level("WARNING", logger="clipkit.integrity"):
+        for _ in range(2):
+            assert invoke(app, *EVAL).exit_code == 0
+    warnings = [r.getMessage() for r in caplog.records if "no checksums" in r.getMessage()]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+
+
 @pytest.mark.slow
 def test_resume_is_exact_with_checksummed_tensor_rng_states(work):
     """Resuming from step 1 ends at the uninterrupted run's step-2 weights (RNG states restored)."""

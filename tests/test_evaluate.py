@@ -126,15 +126,23 @@ def test_feature_seeds_repeat_only_random_feature_similarities():
 def test_zero_shot_prompt_precedence():
     info = {"labels": {"label": {"classes": ["a", "b"], "templates": ["a {}"]}}}
     assert ZeroShot("x").prompts(info) == (["a", "b"], ["a {}"])
-    assert ZeroShot("x", classnames=["c"], templates=["t {}"]).prompts(info) == (["c"], ["t {}"])
+    assert ZeroShot("x", classnames=["c", "d"], templates=["t {}"]).prompts(info) == (["c", "d"], ["t {}"])
+    # A given class list must be the data's: as many classes, none of its names at another index.
+    with pytest.raises(DataError, match="2 classes in the data but 1 in classnames"):
+        ZeroShot("x", classnames=["c"]).prompts(info)
+    with pytest.raises(DataError, match="class 0 is 'a' in the data but 'b' in classnames"):
+        ZeroShot("x", classnames=["b", "a"]).prompts(info)
     # No class list anywhere: the label's distinct values in the data are the classes.
     with pytest.raises(DataError, match="no sample has meta-data 'colour'"):
         ZeroShot("x", label="colour").prompts(info)
     # A standard dataset's shipped names and CLIP's per-dataset templates beat the source's own.
-    classes, templates = ZeroShot("x", dataset="cifar10").prompts(info)
+    cifar = {"labels": {"label": {"classes": ["plane", *"bcdefghij"], "templates": ["a {}"]}}}
+    classes, templates = ZeroShot("x", dataset="cifar10").prompts(cifar)
     assert classes[:2] == ["airplane", "automobile"] and len(classes) == 10
     assert len(templates) == 18 and templates[0] == "a photo of a {}."
-    assert len(ZeroShot("x", dataset="cifar10", templates="clip7").prompts(info)[1]) == 7
+    assert len(ZeroShot("x", dataset="cifar10", templates="clip7").prompts(cifar)[1]) == 7
+    with pytest.raises(DataError, match="2 classes in the data but 10 in dataset 'cifar10'"):
+        ZeroShot("x", dataset="cifar10").prompts(info)
     assert len(ZeroShot("x", dataset="imagenet", templates="clip80").prompts({})[1]) == 80
 
 

@@ -120,15 +120,16 @@ def test_open_clip_dir_round_trip(name, tmp_path, registry):
 
 @pytest.mark.parametrize("name", sorted(OPENAI))
 def test_openai_state_dict_round_trip(name, tmp_path, registry):
-    """A bare OpenAI-layout state dict (no config): the shape is read off the tensors; QuickGELU, as
-    OpenAI's weights use, unless told otherwise."""
+    """A bare OpenAI-layout state dict (no config): the shape is read off the tensors; the activation
+    (QuickGELU, as OpenAI's weights use) is told, since the tensors cannot say."""
     config = OPENAI[name]
     original = open_clip_model(config, seed=3)
     save_file(original.state_dict(), str(tmp_path / "weights.safetensors"))
-    ours, metadata = load_model(tmp_path / "weights.safetensors", registry)
+    ours, metadata = load_model(tmp_path / "weights.safetensors", registry, quick_gelu=True)
     assert_same_outputs(original, ours, config)
 
-    out = convert(tmp_path / "weights.safetensors", tmp_path / "again.safetensors", "state_dict", registry)
+    source, again_path = tmp_path / "weights.safetensors", tmp_path / "again.safetensors"
+    out = convert(source, again_path, "state_dict", registry, quick_gelu=True)
     from safetensors.torch import load_file
 
     again = load_file(str(out))
@@ -145,7 +146,7 @@ def test_state_dict_activation_is_a_choice(tmp_path, registry):
     out = convert(tmp_path / "w.safetensors", tmp_path / "export", "clipkit", registry, quick_gelu=False)
     ours, _ = load_model(out, registry)
     assert_same_outputs(original, ours, config)
-    wrong, _ = load_model(tmp_path / "w.safetensors", registry)
+    wrong, _ = load_model(tmp_path / "w.safetensors", registry, quick_gelu=True)
     images, _ = inputs(config)
     with torch.no_grad():
         assert not torch.allclose(

@@ -111,3 +111,74 @@ def test_a_failing_task_does_not_stop_the_suite(table, export, tmp_path):
     assert "green" in results[2]["failed"] and "the classes are 'red', 'blue'" in results[2]["failed"]
     assert 0 <= results[1]["mean_recall"] <= 1
     assert "**failed**" in out.with_suffix(".md").read_text()
+
+
+# ------------------------------------------------------------------- a class list that is not the data's
+
+CIFAR10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@pytest.fixture
+def cifar_folder(tmp_path):
+    """A `classes:` folder in CIFAR-10's layout (test/<class>/<image>), one tiny image per class."""
+    root = tmp_path / "cifar10" / "test"
+    for i, name in enumerate(CIFAR10):
+        (root / name).mkdir(parents=True)
+        Image.new("RGB", (16, 16), (20 * i, 100, 200 - 15 * i)).save(root / name / "0000.png")
+    return root
+
+
+def run_zero_shot(export, tmp_path, data, *args):
+    out = tmp_path / "zs-out" / "eval.json"
+    command = ["eval", str(export), "--task", "zero_shot", "--data", data, "--output", str(out), "--no-plots"]
+    return CliRunner().invoke(make_app(), [*command, *args]), out
+
+
+@pytest.mark.parametrize(("dataset", "count"), [("cifar100", 100), ("imagenet1k", 1000)])
+def test_zero_shot_refuses_a_dataset_whose_classes_are_not_the_datas(
+    cifar_folder, export, tmp_path, dataset, count
+):
+    """`eval --data classes:cifar10/test --dataset cifar100` exited 0 with top-1 0.0: the folder's
+    labels were read as indices into CIFAR-100's names."""
+    outcome, out = run_zero_shot(export, tmp_path, f"classes:{cifar_folder}", "--dataset", dataset)
+    assert outcome.exit_code == 2, outcome.output
+    assert "Traceback" not in outcome.output
+    (line,) = [text for text in outcome.output.splitlines() if text.startswith("error:")]
+    assert f"10 classes in the data but {count} in dataset '{dataset}'" in line
+    assert "does not match" in line and str(cifar_folder) in line  # names the data and both lists
+    assert "data classes: 'airplane'" in line and f"dataset '{dataset}': '" in line
+    (result,) = json.loads(out.read_text())["results"]
+    assert "top1" not in result and "does not match" in result["failed"]  # no number written
+    assert sorted(p.name for p in cifar_folder.iterdir()) == CIFAR10  # the data is untouched
+
+
+def test_zero_shot_refuses_class_names_in_another_order(cifar_folder, export, tmp_path):
+    names = ",".join(["automobile", "airplane", *CIFAR10[2:]])
+    outcome, _ = run_zero_shot(export, tmp_path, f"classes:{cifar_folder}", "--set", f"classnames=[{names}]")
+    assert outcome.exit_code == 2, outcome.output
+    assert "class 0 is 'airplane' in the data but 'automobile' in classnames" in outcome.output
+
+
+def test_zero_shot_with_the_datas_own_class_list_runs(cifar_folder, export, tmp_path):
+    """The matching dataset, and no dataset at all, score the folder by its class names."""
+    for extra in (["--dataset", "cifar10"], []):
+        outcome, out = run_zero_shot(export, tmp_path, f"classes:{cifar_folder}", *extra)
+        assert outcome.exit_code == 0, outcome.output
+        (result,) = json.loads(out.read_text())["results"]
+        assert result["num_classes"] == 10 and result["n"] == 10
+
+
+def test_the_data_class_list_of_index_labels(cifar_folder):
+    """Index labels take their class names from the entry the samples name beside the index."""
+    from clipkit.data.shard import open_source
+
+    source = open_source(f"classes:{cifar_folder}")
+    samples, info = list(source), dict(source.info())
+    task = ZeroShot("d", dataset="cifar100")
+    assert task.data_labels(info, samples)["classes"] == CIFAR10
+    assert ZeroShot("d").prompts(info, samples)[0] == CIFAR10  # not "0".."9"
+    with pytest.raises(DataError, match="10 classes in the data but 100 in dataset 'cifar100'"):
+        task.prompts(info, samples)
+    # A list in another vocabulary (e.g. WordNet ids against words) is matched by index.
+    ids = [f"n{i:08d}" for i in range(10)]
+    assert ZeroShot("d", classnames=ids).prompts(info, samples)[0] == ids

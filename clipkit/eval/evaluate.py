@@ -180,12 +180,14 @@ def failed_tasks(results: Iterable[dict]) -> list[dict]:
     return [result for result in results if result.get("failed")]
 
 
-def evaluate_export(export_dir: Path, tasks: list[dict] | None, registry: Registry) -> dict[str, Any]:
-    """Load an export (or any layout a ``read_model`` plugin reads, converted in memory)
-    and run ``tasks`` (default: the eval section of its recipe)."""
+def evaluate_export(
+    export_dir: Path, tasks: list[dict] | None, registry: Registry, *, options: dict | None = None
+) -> dict[str, Any]:
+    """Load an export (or any layout a ``read_model`` plugin reads with ``options``, converted in
+    memory) and run ``tasks`` (default: the eval section of its recipe)."""
     from clipkit.export import load_model
 
-    model, metadata = load_model(export_dir, registry)
+    model, metadata = load_model(export_dir, registry, options=options)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:
         raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")

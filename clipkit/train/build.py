@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
 from clipkit.init_weights import prepare_model
 from clipkit.machine import apply as apply_machine_fit
-from clipkit.machine import fit_to_machine
+from clipkit.machine import fit_to_machine, launch_warning
 from clipkit.model import batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import distributed_config, save_recipe, section
 from clipkit.registry import Registry
@@ -134,8 +135,16 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
     data, settings = section(recipe, "data"), section(recipe, "train")
     place = {"seed": int(recipe.get("seed", 0)), "rank": runtime.rank, "world_size": runtime.world_size}
     # auto: from the CPUs this process may use, most of them decoding when a GPU trains
-    machine = fit_to_machine(data.num_workers, settings.threads, accelerator=runtime.device.type != "cpu")
+    machine = fit_to_machine(
+        data.num_workers,
+        settings.threads,
+        accelerator=runtime.device.type != "cpu",
+        processes=runtime.world_size,
+    )
     apply_machine_fit(machine, announce=runtime.is_main)
+    warning = launch_warning(runtime.world_size)
+    if warning and runtime.is_main:
+        print(warning, file=sys.stderr)
     if data.stream is not None:
         batch_size = runtime.plan.local_size
         return build_slot(registry, "stream", data.stream, "data.stream", batch_size=batch_size, **place)

@@ -129,7 +129,9 @@ def verify_checkpoint(path: Path) -> None:
         ) from error
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"{manifest_path}: not a clipkit checkpoint manifest ({MANIFEST_FORMAT})")
-    verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint")
+    present = (str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+    loaded = [n for n in present if n == STATE or n.startswith(("rng-", f"{DEEPSPEED}/"))]
+    verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint", required=loaded)
 
 
 def _fsync_directory(path: Path) -> None:

@@ -100,14 +100,75 @@ class ZeroShot:
     def prompts(self, info: dict, samples=()) -> tuple[list[str], list[str]]:
         """(class names, templates) by precedence: task arguments, ``dataset``, the source's labels,
         the label's distinct values in ``samples``."""
-        described = (info.get("labels") or {}).get(self.label) or {}
+        described = self.data_labels(info, samples)
         given = self.classnames or self.file_classnames() or self.dataset_classnames()
+        if given and described.get("classes"):
+            self.check_matches(list(given), list(described["classes"]))
         classnames = list(given or described.get("classes") or [])
         if not classnames:
             # A split of a larger set (holdout:) reports the values of the whole set: every class.
             whole = (info.get("label_values") or {}).get(self.label)
             classnames, self.from_values = self.label_values(samples, whole), True
         return classnames, self.resolve_templates(described)
+
+    def data_labels(self, info: dict, samples=()) -> dict:
+        """What the source says about the classes its ``label`` values refer to: its own entry for
+        ``label`` (``info()["labels"][label]``), or, for index labels, the entry whose class names the
+        samples carry beside the index (``classes:``, ``idx:`` and tar sets: ``label`` = index into
+        ``labels["class"]["classes"]``, ``class`` = that name); {} where the source says nothing."""
+        labels = info.get("labels") or {}
+        if labels.get(self.label):
+            return labels[self.label]
+        for key, entry in labels.items():
+            classes = (entry or {}).get("classes") or []
+            if (
+                key != self.label
+                and classes
+                and samples
+                and all(
+                    names_index(sample.meta.get(self.label), sample.meta.get(key), classes)
+                    for sample in samples
+                )
+            ):
+                return entry
+        return {}
+
+    def given_source(self) -> str:
+        if self.classnames:
+            return "classnames"
+        if self.classnames_file is not None:
+            return f"classnames_file {self.classnames_file}"
+        return f"dataset {self.dataset!r}"
+
+    def check_matches(self, given: list, data: list) -> None:
+        """The class list given (``classnames``, ``classnames_file``, ``dataset``) must be the data's:
+        the same number of classes, and no data class at another index of the list (a list in
+        another vocabulary, e.g. WordNet ids against words, is matched by index)."""
+        synonyms = self.given_synonyms(given)
+        problem = None
+        if len(given) != len(data):
+            problem = f"{len(data)} classes in the data but {len(given)} in {self.given_source()}"
+        else:
+            for index, name in enumerate(data):
+                found = [i for i, names in enumerate(synonyms) if squash(name) in names]
+                if found and index not in found:
+                    problem = (
+                        f"class {index} is {name!r} in the data but {given[index]!r} in "
+                        f"{self.given_source()} (which has {name!r} at index {found[0]})"
+                    )
+                    break
+        if problem:
+            raise DataError(
+                f"{self.data}: the class list does not match the data's labels: {problem}; "
+                f"data classes: {shown(data, 10)}; {self.given_source()}: {shown(given, 10)}"
+            )
+
+    def given_synonyms(self, given: list) -> list[set[str]]:
+        if self.classnames or self.classnames_file is not None or self.dataset is None:
+            return [{squash(name)} for name in given]
+        from clipkit.plugins.evals import prompts
+
+        return [{squash(name) for name in names} for names in prompts.class_synonyms(self.dataset)]
 
     def label_values(self, samples, whole: list | None = None) -> list:
         """The label's distinct values in ``samples`` (and ``whole``), sorted: numbers, then text."""
@@ -169,14 +230,29 @@ class ZeroShot:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(classnames):
             return value
         if value not in classnames:
-            shown = ", ".join(map(repr, classnames[:20]))
-            if len(classnames) > 20:
-                shown += f", ... ({len(classnames)} in all)"
             raise DataError(
                 f"{self.data}: sample {sample.key!r} has {self.label}={value!r}, not a known class; "
-                f"the classes are {shown} (or their indices 0-{len(classnames) - 1})"
+                f"the classes are {shown(classnames)} (or their indices 0-{len(classnames) - 1})"
             )
         return classnames.index(value)
+
+
+def shown(names: list, most: int = 20) -> str:
+    """The first ``most`` names, quoted, and how many there are in all where that is more."""
+    text = ", ".join(map(repr, names[:most]))
+    return text + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def squash(name) -> str:
+    """A class name compared without case, ``_``, ``-`` or repeated spaces."""
+    return " ".join(str(name).lower().replace("_", " ").replace("-", " ").split())
+
+
+def names_index(index, name, classes: list) -> bool:
+    """Whether ``index`` is an index into ``classes`` that names ``name``."""
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(classes):
+        return False
+    return name == classes[index]
 
 
 def read_text(path: str, option: str) -> str:

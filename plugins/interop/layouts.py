@@ -62,12 +62,13 @@ def detect(path: Path) -> str:
 
 def read(path: Path, registry: Registry | None = None, *, quick_gelu: bool | None = None):
     """Any layout -> (ClipSpec, clipkit-layout state dict). ``quick_gelu`` only matters for a bare
-    state dict, whose tensors cannot say which activation trained them (None: QuickGELU, OpenAI's)."""
+    state dict, whose tensors cannot say which activation trained them (None: from the evidence, see
+    :func:`clipkit.plugins.interop.open_clip.activation`, or refused)."""
     from clipkit.plugins.interop import hf, open_clip
 
     layout = detect(path)
     if layout == "state_dict":
-        spec, state = open_clip.read_state_dict(Path(path), True if quick_gelu is None else quick_gelu)
+        spec, state = open_clip.read_state_dict(Path(path), quick_gelu)
     elif layout == "open_clip":
         spec, state = open_clip.read_dir(Path(path))
     elif layout == "hf":
@@ -175,7 +176,9 @@ def read_foreign(path: Path, registry: Registry, options: dict) -> tuple[Contras
     return model, describe(recipe, registry)
 
 
-def load_model(path: Path, registry: Registry | None = None) -> tuple[ContrastiveModel, dict]:
+def load_model(
+    path: Path, registry: Registry | None = None, *, quick_gelu: bool | None = None
+) -> tuple[ContrastiveModel, dict]:
     """Any layout -> (clipkit model in eval mode, export-style metadata). Exports load as they are
     (any plugins); other layouts are converted in memory."""
     from clipkit.export import describe, load_export
@@ -184,7 +187,7 @@ def load_model(path: Path, registry: Registry | None = None) -> tuple[Contrastiv
     registry = registry or default_registry()
     if detect(path) == "clipkit":
         return load_export(Path(path), registry)
-    spec, state = read(path, registry)
+    spec, state = read(path, registry, quick_gelu=quick_gelu)
     model, recipe = build(spec, state, registry)
     return model, describe(recipe, registry)
 

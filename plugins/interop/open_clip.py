@@ -5,8 +5,11 @@ A directory as open_clip's ``save_for_hf`` writes it: ``open_clip_config.json``
 (``{"model_cfg": {...}, "preprocess_cfg": {"mean", "std", ...}}``) + ``open_clip_model.safetensors``.
 A bare state dict (``*.safetensors`` with ``visual.*``, ``transformer.*``, ``token_embedding.weight``,
 ``positional_embedding``, ``ln_final.*``, ``text_projection``, ``logit_scale``) carries no config:
-the shape is read off the tensors as OpenAI's ``build_model`` does, and the activation (which the
-tensors cannot tell) is QuickGELU unless told otherwise — OpenAI's weights were trained with it.
+the shape is read off the tensors as OpenAI's ``build_model`` does. The activation the tensors
+cannot tell (OpenAI's weights use QuickGELU, open_clip's own exact GELU; reading one as the other
+moves features by ~1e-3) comes from evidence: the caller's ``quick_gelu``, the ``quick_gelu`` entry
+clipkit writes in the safetensors header, or ``open_clip_config.json`` beside the file; with none,
+the file is refused naming ``--quick-gelu`` / ``--no-quick-gelu`` — never guessed.
 """
 
 from __future__ import annotations
@@ -157,13 +160,43 @@ def spec_from_state_dict(state: StateDict, quick_gelu: bool, where: str) -> Clip
     return ClipSpec(embed_dim=embed_dim, vision=vision, text=text, quick_gelu=quick_gelu)
 
 
-def read_state_dict(path: Path, quick_gelu: bool = True) -> tuple[ClipSpec, StateDict]:
-    """An OpenAI/open_clip-layout ``.safetensors`` state dict -> (spec, clipkit-layout state dict)."""
+QUICK_GELU_KEY = "quick_gelu"  # safetensors header entry clipkit writes on a bare state dict
+
+
+def read_state_dict(path: Path, quick_gelu: bool | None = None) -> tuple[ClipSpec, StateDict]:
+    """An OpenAI/open_clip-layout ``.safetensors`` state dict -> (spec, clipkit-layout state dict).
+    ``quick_gelu``: the activation it was trained with; None: from the evidence (:func:`activation`)."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))
-    spec = spec_from_state_dict(state, quick_gelu, str(path))
+    spec_from_state_dict(state, False, str(path))  # not a CLIP state dict: said before the activation
+    chosen = quick_gelu if quick_gelu is not None else activation(Path(path))
+    spec = spec_from_state_dict(state, chosen, str(path))
     return spec, open_clip_to_clipkit(state, spec.vision.kind)
+
+
+def activation(path: Path) -> bool:
+    """Which activation trained the bare state dict at ``path``, from evidence only: the
+    ``quick_gelu`` entry of its safetensors header (clipkit writes it), else ``model_cfg.quick_gelu``
+    of an ``open_clip_config.json`` beside it. No evidence: a :class:`ClipkitError` naming the flags."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        recorded = (handle.metadata() or {}).get(QUICK_GELU_KEY)
+    if recorded in ("true", "false"):
+        return recorded == "true"
+    config = path.parent / CONFIG
+    if config.is_file():
+        try:
+            model_cfg = json.loads(config.read_text(encoding="utf-8"))["model_cfg"]
+            return bool(model_cfg.get("quick_gelu", False))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ClipkitError(f"{config}: cannot read model_cfg.quick_gelu ({error})") from None
+    raise ClipkitError(
+        f"{path}: a bare state dict does not say which activation trained it (OpenAI's weights use "
+        f"QuickGELU, open_clip's own models exact GELU) and no {CONFIG} is beside it: pass --quick-gelu "
+        "or --no-quick-gelu (quick_gelu=True/False in Python)"
+    )
 
 
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
@@ -190,8 +223,9 @@ def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:
 
     from clipkit.io import atomic_path
 
+    metadata = {"format": "pt", QUICK_GELU_KEY: "true" if spec.quick_gelu else "false"}
     with atomic_path(Path(path)) as tmp:
-        save_file(clipkit_to_open_clip(state, spec.vision.kind), str(tmp), metadata={"format": "pt"})
+        save_file(clipkit_to_open_clip(state, spec.vision.kind), str(tmp), metadata=metadata)
     return Path(path)
 
 
