@@ -231,7 +231,7 @@ def test_an_unknown_tracker_is_named_with_the_known_ones(tmp_path):
 )
 def test_a_missing_tracker_package_names_the_extra(tmp_path, monkeypatch, name, module):
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
-    with pytest.raises(ClipkitError, match=rf"{name} needs the .* package.*clipkit\[trackers\]"):
+    with pytest.raises(ClipkitError, match=rf"{name} needs the .* package.*clipkit-contrastive\[trackers\]"):
         trackers.open_tracker(name, tmp_path, {"name": "x"}, 0)
 
 

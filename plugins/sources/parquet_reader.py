@@ -31,7 +31,7 @@ def open_parquet(path: Path):
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
-            f"{path}: reading parquet needs pyarrow: pip install pyarrow (or {install_hint('parquet')})"
+            f"{path}: reading parquet needs pyarrow: pip install pyarrow, or {install_hint('parquet')}"
         ) from None
     if not Path(path).is_file():
         raise DataError(f"{path}: parquet file not found")
