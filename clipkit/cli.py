@@ -281,7 +281,9 @@ def convert_command(
     ],
     to: Annotated[
         str,
-        typer.Option(help="Target layout (or one an installed plugin writes)"),
+        typer.Option(
+            help="Target layout (or one an installed plugin writes)", autocompletion=convert_layouts
+        ),
     ] = "clipkit",
     quick_gelu: Annotated[
         bool, typer.Option(help="A bare state dict's activation (default: QuickGELU, OpenAI's)")
@@ -314,7 +316,8 @@ def eval_command(
     task: Annotated[
         str,
         typer.Option(
-            help="Eval task, one of the registered evals (default: the export's recipe's eval list)"
+            help="Eval task, one of the registered evals (default: the export's recipe's eval list)",
+            autocompletion=eval_task_names,
         ),
     ] = None,
     data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,

@@ -206,3 +206,9 @@ def test_errors_about_a_recipe_file_name_the_file(app, in_tmp):
     assert "recipe 'empty'" not in result.output
     trained = invoke(app, "train", in_tmp / "empty.yaml")
     assert_refused(trained, f"recipe file {in_tmp / 'empty.yaml'} has")
+
+
+def test_shell_completion_completes_task_names(app):
+    env = {"_CLIPKIT_COMPLETE": "complete_bash", "COMP_WORDS": "clipkit eval x --task ", "COMP_CWORD": "4"}
+    result = runner.invoke(app, [], env=env, prog_name="clipkit")
+    assert result.output.split() == ["diagnostics", "linear_probe", "retrieval", "zero_shot"], result.output
