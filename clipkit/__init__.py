@@ -10,6 +10,12 @@ __version__ = "0.1.0"
 DISTRIBUTION = "clipkit-contrastive"
 
 
+def install_hint(extra: str) -> str:
+    """The one wording of how to install an optional extra: the real distribution (``clipkit``
+    with an extra would install the unrelated PyPI tool) or, from a checkout, the local path."""
+    return f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
+
+
 def load(path, *, device="cpu", registry=None, quick_gelu=None):
     """See :func:`clipkit.loading.load` (imported on first use: ``import clipkit`` stays light)."""
     from clipkit.loading import load as load_model

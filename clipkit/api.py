@@ -33,7 +33,15 @@ def resolve(spec: str, overrides: list[str], registry: Registry | None = None) -
     from clipkit.recipe import load_recipe, validate_or_raise
 
     registry = registry or default_registry()
-    return validate_or_raise(load_recipe(spec, overrides, registry=registry), registry)
+    return validate_or_raise(load_recipe(spec, overrides, registry=registry), registry, where=spec)
+
+
+def check_data(recipe: dict, registry: Registry | None = None) -> None:
+    """What ``train`` checks about a resolved recipe's data before it writes anything: the shard
+    directory, or the source it would be sharded from (``clipkit validate`` runs it too)."""
+    from clipkit.train.build import check_data_location
+
+    check_data_location(recipe, registry or default_registry())
 
 
 def default_run_dir(recipe: dict) -> Path:
@@ -157,6 +165,7 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResu
             raise ClipkitError(f"{run_dir} is a run of recipe {recipe['name']!r}, not {spec!r}")
     else:
         recipe = resolve(spec, overrides or [], registry)
+        check_data(recipe, registry)  # before the run directory exists, as `clipkit validate` does
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
     prepare_run_dir(recipe, run_dir, resume=resume)
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)

@@ -6,6 +6,7 @@ Experiment knobs are recipe overrides (``key=value``), not flags.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from clipkit.commands import fails_cleanly, registry
 from clipkit.errors import ClipkitError
@@ -32,6 +34,44 @@ TRUST_HELP = (
     "Allow unpickling the checkpoint's files (can run code the files name): only for checkpoints you "
     "wrote yourself, e.g. with an older clipkit"
 )
+
+
+class ListsChoices(TyperCommand):
+    """A command whose ``--help`` shows, as an option's metavar, the names it takes (eval tasks,
+    convert layouts), read from the plugins only when that help is shown (so `clipkit --help`
+    stays light and a plugin's names appear too). Values are not restricted here: the command
+    refuses an unknown one, with its did-you-mean, before writing anything."""
+
+    choices: dict = {}  # option name -> () -> list[str]
+
+    def format_help(self, ctx, formatter):
+        for param in self.params:
+            if param.name in self.choices:
+                with contextlib.suppress(Exception):  # a broken plugin must not break --help
+                    param.metavar = "[" + "|".join(self.choices[param.name]()) + "]"
+        return super().format_help(ctx, formatter)
+
+
+def lists_choices(**choices) -> type[ListsChoices]:
+    return type("ListsChoices", (ListsChoices,), {"choices": choices})
+
+
+def eval_task_names() -> list[str]:
+    return registry().names("eval")
+
+
+def convert_layouts() -> list[str]:
+    from clipkit.api import CONVERT_LAYOUTS
+
+    return [name.strip() for name in CONVERT_LAYOUTS.split(",")]
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from clipkit import DISTRIBUTION, __version__
+
+        typer.echo(f"clipkit {__version__} (distribution {DISTRIBUTION})")
+        raise typer.Exit()
 
 
 #: Width of tables written to a pipe or a log file (rich's default there is 80 columns, which
@@ -244,7 +284,12 @@ def convert_command(
     out: Annotated[
         Path, typer.Argument(help="Where to write (a directory; a .safetensors file for state_dict)")
     ],
-    to: Annotated[str, typer.Option(help="Target layout: clipkit | open_clip | state_dict | hf")] = "clipkit",
+    to: Annotated[
+        str,
+        typer.Option(
+            help="Target layout (or one an installed plugin writes)", autocompletion=convert_layouts
+        ),
+    ] = "clipkit",
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
     """Convert plain CLIP weights between clipkit, open_clip, OpenAI and Hugging Face layouts."""
@@ -272,7 +317,11 @@ def eval_command(
         ),
     ],
     task: Annotated[
-        str, typer.Option(help="Eval task name (default: the export's recipe's eval list)")
+        str,
+        typer.Option(
+            help="Eval task, one of the registered evals (default: the export's recipe's eval list)",
+            autocompletion=eval_task_names,
+        ),
     ] = None,
     data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
@@ -441,7 +490,8 @@ def validate_command(
     overrides: Annotated[list[str], typer.Argument(help="key=value recipe overrides")] = None,
     show: Annotated[bool, typer.Option(help="Print the resolved recipe")] = False,
 ):
-    """Check every plugin slot of a recipe against its factory's signature (builds nothing)."""
+    """Check every plugin slot of a recipe against its factory's signature, and its data location
+    as `train` would (builds nothing, writes nothing)."""
     from clipkit import api
 
     resolved = api.resolve(recipe, overrides or [], registry())
@@ -452,6 +502,7 @@ def validate_command(
 
         typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
         typer.echo("\n".join(knob_lines(resolved)))
+    api.check_data(resolved, registry())
     typer.echo(f"{resolved['name']}: ok")
 
 
@@ -553,6 +604,12 @@ def global_options(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show the traceback of errors (damaged files, bad settings)")
     ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=show_version, is_eager=True, help="Print the version and distribution name"
+        ),
+    ] = False,
 ):
     """clipkit — contrastive multimodal (CLIP-family) pretraining research toolkit.
 
@@ -570,13 +627,14 @@ def global_options(
 
 def make_app(pm=None) -> typer.Typer:
     """A fresh Typer app with the built-in commands and every plugin's ``register_commands``."""
-    app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+    # add_completion: --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False)
     app.callback(help=HELP)(global_options)
     app.command("shard")(shard_command)
     app.command("train")(train_command)
     app.command("export")(export_command)
-    app.command("convert")(convert_command)
-    app.command("eval")(eval_command)
+    app.command("convert", cls=lists_choices(to=convert_layouts))(convert_command)
+    app.command("eval", cls=lists_choices(task=eval_task_names))(eval_command)
     app.command("report")(report_command)
     app.command("plugins")(plugins_command)
     app.command("recipes")(recipes_command)

@@ -32,12 +32,17 @@ class UnknownNameError(ClipkitError, KeyError):
 
 
 class RecipeError(ClipkitError):
-    """A recipe failed validation; ``errors`` lists every problem as 'key.path: message'."""
+    """A recipe failed validation; ``errors`` lists every problem as 'key.path: message'.
+
+    ``recipe`` is what the user named: ``NAME[@VARIANT]``, or a YAML file's path (then named as
+    the file, not by its stem)."""
 
     def __init__(self, recipe: str, errors: list[str]) -> None:
         self.recipe, self.errors = recipe, errors
         lines = "\n".join(f"  - {e}" for e in errors)
-        super().__init__(f"recipe {recipe!r} has {len(errors)} error(s):\n{lines}")
+        is_file = recipe.partition("@")[0].endswith((".yaml", ".yml"))
+        what = f"recipe file {recipe}" if is_file else f"recipe {recipe!r}"
+        super().__init__(f"{what} has {len(errors)} error(s):\n{lines}")
 
 
 class DataError(ClipkitError):

@@ -31,6 +31,11 @@ def register_encoders(register):
     :class:`clipkit.types.PointSet`. The host also passes, when the factory's signature
     names them: ``embed_dim`` (model.embed_dim), ``image_size`` (image encoders),
     ``vocab_size`` and ``context_length`` (text encoders, from the tokenizer).
+
+    A text tower whose weights index one vocabulary declares it on the factory:
+    ``factory.required_tokenizer = {"name": "wordpiece", "vocab": "minilm"}`` (the tokenizer
+    slot's name and the arguments that must match); ``clipkit validate`` and ``train`` then refuse
+    any other ``model.tokenizer`` before building, naming the override that fixes it.
     """
 
 

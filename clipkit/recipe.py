@@ -508,6 +508,8 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
         if slot.path in OPTIONAL_SLOTS and get_path(recipe, slot.path) is None:
             continue
         errors += check_slot(get_path(recipe, slot.path), slot.path, slot.kind, slot.injected, registry)
+    if pair in (None, "image_text"):
+        errors += _check_required_tokenizer(recipe, registry)
     tasks = recipe.get("eval") or []
     if not isinstance(tasks, list):
         errors.append("eval: must be a list of tasks ({name: ..., ...})")
@@ -518,10 +520,12 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     return errors
 
 
-def validate_or_raise(recipe: dict, registry: Registry) -> dict:
+def validate_or_raise(recipe: dict, registry: Registry, where: str | None = None) -> dict:
+    """``recipe`` when it is valid, else a RecipeError naming ``where`` (what the user named: a
+    recipe or a file path; default the recipe's name) with every problem."""
     errors = validate(recipe, registry)
     if errors:
-        raise RecipeError(recipe.get("name", "?"), errors)
+        raise RecipeError(where or recipe.get("name", "?"), errors)
     return recipe
 
 
@@ -537,6 +541,41 @@ def check_slot(config: Any, path: str, kind: str, injected: frozenset[str], regi
         return [f"{path}.name: {error}"]
     kwargs = {k: v for k, v in config.items() if k != "name"}
     return check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
+
+
+def _check_required_tokenizer(recipe: dict, registry: Registry) -> list[str]:
+    """The text tower's declared ``required_tokenizer`` (clipkit.types.OPTIONAL_MEMBERS) against
+    ``model.tokenizer`` (the tokenizer factory's defaults filled in); a mismatch names the override."""
+    from clipkit.types import optional_member
+
+    encoder, tokenizer = get_path(recipe, "model.text_encoder"), get_path(recipe, "model.tokenizer")
+    if not all(isinstance(slot, dict) and isinstance(slot.get("name"), str) for slot in (encoder, tokenizer)):
+        return []  # reported by check_slot
+    try:
+        required = optional_member(registry.factory("encoder", encoder["name"]), "required_tokenizer")
+        factory = registry.factory("tokenizer", tokenizer["name"])
+    except UnknownNameError:
+        return []  # reported by check_slot
+    if not required:
+        return []
+    if tokenizer["name"] == required.get("name"):
+        defaults = {
+            name: parameter.default
+            for name, parameter in inspect.signature(factory).parameters.items()
+            if parameter.default is not inspect.Parameter.empty
+        }
+        tokenizer = {**defaults, **tokenizer}
+    if all(tokenizer.get(key) == value for key, value in required.items()):
+        return []
+
+    def flow(mapping: dict) -> str:  # as an override writes it
+        return "{" + ", ".join(f"{key}: {value}" for key, value in mapping.items()) + "}"
+
+    wanted, given = flow(required), flow(get_path(recipe, "model.tokenizer"))
+    return [
+        f"model.tokenizer: text encoder {encoder['name']!r} (model.text_encoder) needs tokenizer {wanted}, "
+        f"the vocabulary its weights index, not {given}; add the override model.tokenizer={wanted}"
+    ]
 
 
 def check_arguments(factory, kwargs: dict, path: str, what: str, injected: frozenset[str]) -> list[str]:

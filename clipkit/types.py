@@ -348,6 +348,9 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
     "projection_module_name": None,  # Encoder
+    # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a
+    # pretrained text tower needs, e.g. {"name": "wordpiece", "vocab": "minilm"}; None: any tokenizer.
+    "required_tokenizer": None,
 }
 
 

@@ -173,7 +173,7 @@ def test_parquet_errors_name_the_file(pq, tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"fake\.parquet: not a readable parquet file"):
         open_source(str(tmp_path / "fake.parquet"))
     monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)  # as if not installed
-    with pytest.raises(DataError, match=r"pip install pyarrow \(or clipkit\[parquet\]\)"):
+    with pytest.raises(DataError, match=r"pyarrow, or pip install 'clipkit-contrastive\[parquet\]'"):
         open_source(str(path))
 
 

@@ -60,7 +60,10 @@ def test_load_and_eval_of_a_bare_state_dict_refuse_without_evidence(exact_gelu_s
     model, _, _ = clipkit.load(exact_gelu_state_dict, registry=registry, quick_gelu=False)
     activations = {type(m).__name__ for m in model.modules() if "GELU" in type(m).__name__}
     assert activations == {"GELU"}
-    result = runner.invoke(make_app(), ["eval", str(exact_gelu_state_dict), "--task", "retrieval"])
+    data = "synthetic://shapes?n=8&image_size=32"  # valid task arguments: the model is what is refused
+    result = runner.invoke(
+        make_app(), ["eval", str(exact_gelu_state_dict), "--task", "retrieval", "--data", data]
+    )
     assert result.exit_code == 2 and "--no-quick-gelu" in result.output, result.output
 
 

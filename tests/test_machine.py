@@ -91,7 +91,8 @@ def test_recipe_checks_the_machine_settings(registry):
 def test_validate_show_lists_the_knobs():
     from clipkit.cli import make_app
 
-    outcome = CliRunner().invoke(make_app(), ["validate", "clip", "--show"])
+    # data.source: validate checks the data as train does, and clip's data/shards is a placeholder
+    outcome = CliRunner().invoke(make_app(), ["validate", "clip", "data.source=synthetic://shapes", "--show"])
     assert outcome.exit_code == 0, outcome.output
     assert "num_workers: auto" in outcome.output  # the full-size recipe derives it
     for knob in ("data.shards", "data.holdout", "data.background", "train.threads"):

@@ -1,5 +1,6 @@
 """The wheel ships plugins/ and recipes/ inside clipkit, never as top-level packages."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,39 @@ def test_wheel_contents(tmp_path):
     assert top_level == {"clipkit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "clipkit = clipkit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+#: `clipkit` with an extra, as an install instruction would write it; on PyPI that name is an
+#: unrelated tool (it pulled biopython and took over the `clipkit` command). The pattern is split so
+#: this file does not match itself.
+WRONG_DISTRIBUTION = re.compile(r"(?<![\w.-])" + "clipkit" + r"\[")
+
+
+def test_install_instructions_name_the_real_distribution():
+    """Every `pip install` in the package, its plugins, tests and docs names clipkit-contrastive[...]
+    or the local path (CHANGELOG.md is history and is not scanned)."""
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for folder in ("clipkit", "plugins", "docs", "tests", "recipes", "benchmarks", "tools"):
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".sh")]
+    offending = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if WRONG_DISTRIBUTION.search(line)
+    ]
+    assert not offending, "install text names the wrong distribution:\n" + "\n".join(offending)
+
+
+def test_install_hint_names_the_distribution():
+    from clipkit import DISTRIBUTION, install_hint
+
+    assert DISTRIBUTION == "clipkit-contrastive"
+    assert "pip install 'clipkit-contrastive[trackers]'" in install_hint("trackers")
+    assert "pip install -e '.[trackers]'" in install_hint("trackers")
+
+
+def test_license_file_matches_the_metadata():
+    assert re.search(r'^license = \{ text = "MIT" \}$', (ROOT / "pyproject.toml").read_text(), re.M)
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "clipkit authors" in text
+    assert "Permission is hereby granted, free of charge" in text

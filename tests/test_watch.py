@@ -118,7 +118,7 @@ def test_step_lines_every_log_every_with_loss_lr_speed_and_eta(watched):
 @pytest.mark.slow  # one 4-step run with export and evals (the module fixture)
 def test_tensorboard_event_files_hold_the_metrics_the_evals_and_the_recipe(watched):
     if "tensorboard" not in INSTALLED:
-        pytest.skip("tensorboard is not installed (pip install 'clipkit[trackers]')")
+        pytest.skip("tensorboard is not installed (pip install -e '.[trackers]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(watched["run_dir"] / "tensorboard"), size_guidance={"scalars": 0})
@@ -136,7 +136,7 @@ def test_tensorboard_event_files_hold_the_metrics_the_evals_and_the_recipe(watch
 @pytest.mark.slow  # one 4-step run with export and evals (the module fixture)
 def test_mlflow_store_holds_the_metrics_params_and_recipe(watched, monkeypatch):
     if "mlflow" not in INSTALLED:
-        pytest.skip("mlflow is not installed (pip install 'clipkit[trackers]')")
+        pytest.skip("mlflow is not installed (pip install -e '.[trackers]')")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -184,7 +184,7 @@ def wandb_records(path: Path) -> list:
 @pytest.mark.slow  # one 4-step run with export and evals (the module fixture)
 def test_wandb_offline_run_holds_the_metrics_the_evals_and_the_config(watched):
     if "wandb" not in INSTALLED:
-        pytest.skip("wandb is not installed (pip install 'clipkit[trackers]')")
+        pytest.skip("wandb is not installed (pip install -e '.[trackers]')")
     (path,) = (watched["run_dir"] / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads
     records = wandb_records(path)
     history: dict[str, dict[int, float]] = {}
@@ -231,7 +231,7 @@ def test_an_unknown_tracker_is_named_with_the_known_ones(tmp_path):
 )
 def test_a_missing_tracker_package_names_the_extra(tmp_path, monkeypatch, name, module):
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
-    with pytest.raises(ClipkitError, match=rf"{name} needs the .* package.*clipkit\[trackers\]"):
+    with pytest.raises(ClipkitError, match=rf"{name} needs the .* package.*clipkit-contrastive\[trackers\]"):
         trackers.open_tracker(name, tmp_path, {"name": "x"}, 0)
 
 

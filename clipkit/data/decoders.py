@@ -10,7 +10,7 @@ an RGB uint8 array [H', W', 3] decoded at 1/``factor`` of the size where the dec
   from ``header`` or raises from ``decode``, and the caller falls back to the PIL path, which is
   the reference and raises :class:`~clipkit.errors.DataError` for bytes that really do not decode.
 
-:class:`SimpleJpegDecoder` (the ``fastjpeg`` extra: ``pip install "clipkit[fastjpeg]"``) decodes
+:class:`SimpleJpegDecoder` (the ``fastjpeg`` extra: ``pip install "clipkit-contrastive[fastjpeg]"``) decodes
 JPEGs with simplejpeg's bundled libjpeg-turbo straight into a numpy array: no PIL image and no
 PIL → numpy copy. :func:`default_decoder` returns it when simplejpeg is installed, else None
 (PIL only). PyTurboJPEG was evaluated too: its wheel is pure Python and needs a system

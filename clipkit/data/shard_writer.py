@@ -362,6 +362,17 @@ def fsync_directory(directory: Path) -> None:
 def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
     """Return the shard directory, creating it from ``source`` first when it has no manifest."""
     directory = Path(shards)
+    opened = check_shards(shards, source, pm=pm)
+    if opened is not None:
+        write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+    return directory
+
+
+def check_shards(shards: str, source: str, *, pm=None):
+    """What :func:`ensure_shards` checks before it writes anything (also ``clipkit validate``): a
+    shard directory made from ``source``, or a ``source`` some plugin opens. Returns the opened
+    source to shard from, or None when the shards are there."""
+    directory = Path(shards)
     if (directory / MANIFEST).is_file():
         made_from = read_manifest(directory).get("source")
         if source and made_from != source:
@@ -370,9 +381,7 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
                 f"{directory} holds shards of {made_from!r}, not data.source {source!r}: "
                 "point data.shards at a new directory (or remove the old one)"
             )
-        return directory
+        return None
     if not source:
         raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
-    opened = open_source(source, pm=pm)
-    write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
-    return directory
+    return open_source(source, pm=pm)

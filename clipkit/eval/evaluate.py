@@ -180,13 +180,48 @@ def failed_tasks(results: Iterable[dict]) -> list[dict]:
     return [result for result in results if result.get("failed")]
 
 
+#: Task arguments that hold a data source URI by convention (zero_shot, retrieval, diagnostics:
+#: ``data``; linear_probe: ``train`` and ``test``), checked by :func:`check_tasks` before anything runs.
+DATA_KEYS = ("data", "train", "test")
+
+
+def check_tasks(tasks: list[dict], registry: Registry) -> None:
+    """Refuse tasks that would fail before running anything (so no report is written): each named
+    task's arguments against its factory (as recipe validation does), its constructor's own checks,
+    and that a data source plugin accepts each URI in :data:`DATA_KEYS`. Every problem is listed."""
+    from clipkit.recipe import EVAL_INJECTED, check_slot
+
+    errors = []
+    for i, config in enumerate(tasks):
+        path = f"eval[{i}]"
+        problems = check_slot(config, path, "eval", EVAL_INJECTED, registry)
+        if not problems:
+            try:
+                build_slot(registry, "eval", config, path)
+            except (ClipkitError, ValueError, TypeError) as error:
+                problems.append(f"{path}: {error}")
+        for key in DATA_KEYS if isinstance(config, dict) else ():
+            if isinstance(config.get(key), str):
+                try:
+                    open_source(config[key], pm=registry.pm)
+                except ClipkitError as error:
+                    problems.append(f"{path}.{key}: {error}")
+        errors += problems
+    if errors:
+        problems = "; ".join(errors)
+        raise ClipkitError(f"{len(errors)} problem(s) with the eval task(s), nothing evaluated: {problems}")
+
+
 def evaluate_export(
     export_dir: Path, tasks: list[dict] | None, registry: Registry, *, options: dict | None = None
 ) -> dict[str, Any]:
     """Load an export (or any layout a ``read_model`` plugin reads with ``options``, converted in
-    memory) and run ``tasks`` (default: the eval section of its recipe)."""
+    memory) and run ``tasks`` (default: the eval section of its recipe); given ``tasks`` are checked
+    first (:func:`check_tasks`)."""
     from clipkit.export import load_model
 
+    if tasks is not None:
+        check_tasks(tasks, registry)
     model, metadata = load_model(export_dir, registry, options=options)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:

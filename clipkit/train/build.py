@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from clipkit.data.loader import BatchStream, training_split
-from clipkit.data.shard_writer import ensure_shards
+from clipkit.data.shard_writer import check_shards, ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
 from clipkit.init_weights import prepare_model
@@ -218,9 +218,22 @@ def compile_model(model, mode: str):
     return compile_towers(model, mode)
 
 
+def shard_target(data) -> str:
+    """The shard directory a recipe's ``data`` trains on: ``data.shards``, or where ``data.source``'s go."""
+    return data.shards or str(default_shard_dir(data.source))
+
+
+def check_data_location(recipe: dict, registry: Registry) -> None:
+    """What training checks about the recipe's data before it writes anything (``clipkit validate``):
+    the shard directory, or the source it would be made from (see :func:`ensure_shards`)."""
+    data = section(recipe, "data")
+    if data.stream is None:
+        check_shards(shard_target(data), data.source, pm=registry.pm)
+
+
 def ensure_shards_once(runtime: Runtime, data, registry: Registry) -> str:
     """Shard the recipe's source on the main process only; the others wait and read the result."""
-    target = data.shards or str(default_shard_dir(data.source))
+    target = shard_target(data)
     if runtime.is_main:
         target = ensure_shards(target, data.source, pm=registry.pm)
     runtime.wait()

@@ -15,7 +15,7 @@ configuration. Nothing leaves the machine:
   ``swanlab``, ``trackio``; ``accelerate:NAME`` forces Accelerate's class for the three above too),
   logging into ``RUN/NAME/``. Such a tracker follows its own package's settings (online or not).
 
-The packages are optional: ``pip install 'clipkit[trackers]'`` installs the first three. A name
+The packages are optional: ``pip install 'clipkit-contrastive[trackers]'`` installs the first three. A name
 whose package is missing, or no tracker's name, stops the run before its first step. Only the main
 process tracks.
 """
@@ -30,11 +30,12 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from clipkit import install_hint
 from clipkit.errors import ClipkitError
 from clipkit.hookspecs import hookimpl
 
 BUILT_IN = ("tensorboard", "wandb", "mlflow")
-EXTRA_HINT = "pip install 'clipkit[trackers]'"
+EXTRA_HINT = install_hint("trackers")
 #: Open trackers per run directory (a process may train several runs, e.g. in tests).
 _open: dict[str, list[Tracker]] = {}
 

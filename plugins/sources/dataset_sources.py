@@ -8,7 +8,8 @@ URIs (all ``trylast``, so a third-party ``open_source`` can take any of them ove
   tables; the image column may also hold the encoded image itself (a binary column as img2dataset
   writes, or Hugging Face datasets' ``{"bytes", "path"}`` struct). Read a batch of rows at a time,
   so a 10 GB table is never loaded whole; a row group that cannot be decoded counts its rows as
-  ``bad_row``. Needs pyarrow (``pip install pyarrow``, or ``clipkit[parquet]``), imported lazily.
+  ``bad_row``. Needs pyarrow (``pip install pyarrow``, or the extra:
+  ``pip install 'clipkit-contrastive[parquet]'``), imported lazily.
 * ``img2dataset:PATH`` (or a bare directory holding img2dataset's ``NNNNN_stats.json`` files): an
   img2dataset output folder in any of its ``output_format`` "files" (``NNNNN/KEY.jpg`` + ``.txt`` +
   ``.json``), "webdataset" (``NNNNN.tar``) or "parquet" (``NNNNN.parquet`` with the image bytes in a

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from clipkit import install_hint
 from clipkit.errors import DataError
 
 from .source_base import BadRow
@@ -30,7 +31,7 @@ def open_parquet(path: Path):
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
-            f"{path}: reading parquet needs pyarrow: pip install pyarrow (or clipkit[parquet])"
+            f"{path}: reading parquet needs pyarrow: pip install pyarrow, or {install_hint('parquet')}"
         ) from None
     if not Path(path).is_file():
         raise DataError(f"{path}: parquet file not found")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from clipkit import install_hint
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.train.runtime.strategy import HALF, StepResult
 
@@ -43,7 +44,7 @@ class DeepSpeedStrategy:
             import deepspeed
         except ImportError as error:
             raise ClipkitError(
-                "train.distributed.strategy=deepspeed needs DeepSpeed: pip install 'clipkit[deepspeed]'"
+                f"train.distributed.strategy=deepspeed needs DeepSpeed: {install_hint('deepspeed')}"
             ) from error
         # DeepSpeed calls collectives torch 2.13 deprecated; one warning per call floods the log.
         warnings.filterwarnings(
@@ -139,8 +140,7 @@ def consolidate_zero_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as error:
         raise ClipkitError(
-            f"{directory.parent} is a DeepSpeed checkpoint; "
-            "install deepspeed (pip install 'clipkit[deepspeed]')"
+            f"{directory.parent} is a DeepSpeed checkpoint; install deepspeed ({install_hint('deepspeed')})"
         ) from error
     try:  # the files passed check_deepspeed_files in load_state: nothing but allowed types to unpickle
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
