@@ -28,6 +28,11 @@ TRUST_HELP = (
     "wrote yourself, e.g. with an older clipkit"
 )
 
+OVERWRITE_HELP = (
+    "Replace OUT even when it holds files clipkit did not write there (they are deleted); without it "
+    "such a folder is refused"
+)
+
 
 #: Width of tables written to a pipe or a log file (rich's default there is 80 columns, which
 #: wraps and elides the data labels of an eval report); $COLUMNS still wins.
@@ -69,6 +74,7 @@ def shard_command(
             "sample's key, the split `clipkit train --data` holds out)"
         ),
     ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
 ):
     """Turn a data source into WebDataset shards with a manifest (global index per sample).
 
@@ -88,7 +94,7 @@ def shard_command(
         with step_progress("sharding", total=None) as report:
             manifests = api.shard_split(
                 source, out, split, options=options, registry=registry(), samples_per_shard=samples_per_shard,
-                max_shard_bytes=max_shard_size, progress=report,
+                max_shard_bytes=max_shard_size, progress=report, overwrite=overwrite,
             )  # fmt: skip
         for part, manifest in manifests.items():
             shards = len(manifest["shards"])
@@ -104,6 +110,7 @@ def shard_command(
             options=options,
             registry=registry(),
             progress=report,
+            overwrite=overwrite,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
     skipped = (manifest.get("info") or {}).get("skipped") or {}
@@ -212,8 +219,12 @@ def export_command(
     checkpoint: Annotated[Path, typer.Option(help="A specific checkpoint (default: the newest)")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help=TRUST_HELP)] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
 ):
-    """Write model.safetensors + clipkit.json from a run's checkpoint."""
+    """Write model.safetensors + clipkit.json from a run's checkpoint.
+
+    OUT must be new, empty or an earlier export; --overwrite replaces any other folder (never the run).
+    """
     from clipkit import api
 
     path = api.export(
@@ -223,6 +234,7 @@ def export_command(
         registry=registry(),
         verify=not no_verify,
         trust_checkpoint=trust_checkpoint,
+        overwrite=overwrite,
     )
     typer.echo(f"exported {run_dir} to {path}")
 
