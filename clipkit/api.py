@@ -166,7 +166,8 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResu
     with run_directory_lock(run_dir, enabled=launched_as_main()):
         if section(recipe, "train").export and launched_as_main():
             # Refused now, not after training: an export folder holding files clipkit did not write.
-            claim_output_directory(Path(run_dir) / "export", EXPORT_OUTPUT)
+            remedy = "move them away, or set train.export=false (and run clipkit export RUN OUT later)"
+            claim_output_directory(Path(run_dir) / "export", EXPORT_OUTPUT, remedy=remedy)
         prepare_run_dir(recipe, run_dir, resume=resume)
         return _train_locked(recipe, run_dir, registry, progress, started, resume=resume)
 

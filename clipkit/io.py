@@ -105,11 +105,23 @@ class Kept:
     inside: bool = True
 
 
+#: What a refused output directory's message tells the user to do (commands with ``--overwrite``).
+OVERWRITE_REMEDY = (
+    "pick another output directory, or pass --overwrite to replace the folder and everything in it"
+)
+
+
 def claim_output_directory(
-    path: Path | str, kind: OutputKind, *, overwrite: bool = False, protect: Iterable[Kept] = ()
+    path: Path | str,
+    kind: OutputKind,
+    *,
+    overwrite: bool = False,
+    protect: Iterable[Kept] = (),
+    remedy: str = OVERWRITE_REMEDY,
 ) -> None:
     """The one check before an output directory is (re)written: ClipkitError unless ``path`` is
-    absent, empty, clipkit's own output of ``kind`` or ``overwrite`` is set.
+    absent, empty, clipkit's own output of ``kind`` or ``overwrite`` is set. ``remedy`` ends the
+    message (a command without ``--overwrite`` says what to do instead).
 
     ``protect``: paths never replaced, ``--overwrite`` or not (the run being exported, its
     checkpoints, the source being sharded); see :class:`Kept`.
@@ -138,8 +150,7 @@ def claim_output_directory(
         listed = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
         raise ClipkitError(
             f"{path} already exists and holds files that are not a clipkit {kind.what} ({listed}); "
-            f"writing the {kind.what} would delete them: pick another output directory, or pass "
-            "--overwrite to replace the folder and everything in it"
+            f"writing the {kind.what} would delete them: {remedy}"
         )
 
 

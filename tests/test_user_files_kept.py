@@ -69,7 +69,7 @@ def assert_refused(result, *names: str) -> None:
     """Exit code 2, one line naming ``names``, no traceback."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith("machine:")]
     assert len(lines) == 1, result.output
     for name in names:
         assert name in lines[0], result.output
@@ -128,9 +128,17 @@ def test_train_refuses_before_training_when_its_export_folder_holds_other_files(
     monkeypatch.chdir(tmp_path)
     kept = user_folder(tmp_path / "run" / "export")
     result = invoke(app, "train", SMOKE, "train.steps=1", "--run-dir", "run")
-    assert_refused(result, "export", "--overwrite")
+    assert_refused(result, "export", "train.export=false")
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before training
     assert snapshot(tmp_path / "run" / "export") == kept
+
+
+def test_train_does_not_shard_into_a_data_shards_folder_holding_other_files(tmp_path, app, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kept = user_folder(tmp_path / "mine")
+    result = invoke(app, "train", SMOKE, "train.steps=1", "data.shards=mine", "--run-dir", "run")
+    assert_refused(result, "mine", "data.shards")
+    assert snapshot(tmp_path / "mine") == kept
 
 
 # ----------------------------------------------------------------------------- clipkit shard

@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
-from clipkit.io import Kept, OutputKind, atomic_write_text, claim_output_directory, replace_directory
+from clipkit.io import (
+    OVERWRITE_REMEDY,
+    Kept,
+    OutputKind,
+    atomic_write_text,
+    claim_output_directory,
+    replace_directory,
+)
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.data.shard_lock import output_lock
 from clipkit.types import Sample
@@ -124,11 +131,11 @@ def write_shards(
         return writer.run(samples, info or {}, progress)
 
 
-def claim_shard_directory(out_dir: Path, source: str, *, overwrite: bool) -> None:
+def claim_shard_directory(out_dir: Path, source: str, *, overwrite: bool, remedy: str = OVERWRITE_REMEDY) -> None:
     """Refuse (ClipkitError) to write shards of ``source`` over anything but an earlier set of it."""
     protect = [Kept(path, "the source being sharded", inside=False) for path in local_paths(source)]
-    claim_output_directory(out_dir, SHARD_OUTPUT, overwrite=overwrite, protect=protect)
-    claim_output_directory(partial_directory(out_dir), PARTIAL_OUTPUT, overwrite=overwrite)
+    claim_output_directory(out_dir, SHARD_OUTPUT, overwrite=overwrite, protect=protect, remedy=remedy)
+    claim_output_directory(partial_directory(out_dir), PARTIAL_OUTPUT, overwrite=overwrite, remedy=remedy)
     made_from = manifest_source(out_dir)
     if made_from is not None and made_from != source and not overwrite:
         raise ClipkitError(
@@ -414,6 +421,8 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
         return directory
     if not source:
         raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
+    # Refused before the source is opened: a data.shards folder holding files clipkit did not write.
+    claim_shard_directory(directory, source, overwrite=False, remedy="point data.shards at a new directory")
     opened = open_source(source, pm=pm)
     write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
     return directory
