@@ -243,14 +243,15 @@ def png(colour: tuple[int, int, int]) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".tsv"])
 def test_a_table_starting_with_a_byte_order_mark_keeps_its_first_row(tmp_path, app, suffix):
     for index in range(3):
         (tmp_path / f"{index}.png").write_bytes(png((80 * index, 0, 0)))
     if suffix == ".jsonl":
         text = "".join(json.dumps({"image": f"{i}.png", "caption": f"row {i}"}) + "\n" for i in range(3))
     else:
-        text = "image,caption\n" + "".join(f"{i}.png,row {i}\n" for i in range(3))
+        sep = "," if suffix == ".csv" else "\t"
+        text = f"image{sep}caption\n" + "".join(f"{i}.png{sep}row {i}\n" for i in range(3))
     table = tmp_path / f"table{suffix}"
     table.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
     result = invoke(app, "shard", table, tmp_path / "shards", "--strict")
