@@ -89,10 +89,11 @@ class OutputKind:
 
     def foreign(self, directory: Path) -> list[str]:
         """The entries of ``directory`` clipkit did not write (all of them when the marker is missing)."""
-        entries = sorted(entry.name for entry in directory.iterdir())
-        if self.marker is not None and self.marker not in entries:
-            return entries
-        return [name for name in entries if not any(fnmatch.fnmatchcase(name, p) for p in self.names)]
+        entries = {entry.name: entry.is_file() for entry in directory.iterdir()}
+        if self.marker is not None and not entries.get(self.marker):
+            return sorted(entries)
+        own = lambda name: entries[name] and any(fnmatch.fnmatchcase(name, p) for p in self.names)  # noqa: E731
+        return sorted(name for name in entries if not own(name))
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def claim_shard_directory(out_dir: Path, source: str, *, overwrite: bool, remedy
     if made_from is not None and made_from != source and not overwrite:
         raise ClipkitError(
             f"{out_dir} already holds a shard set of {made_from!r}; writing {source!r} there would replace "
-            "it: pick another output directory, or pass --overwrite to replace it"
+            f"it: {remedy}"
         )
 
 
