@@ -58,10 +58,12 @@ def shard(
     options: dict | None = None,
     registry: Registry | None = None,
     progress: Callable[[int], None] | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Write ``source`` as WebDataset shards + manifest.json in ``out``; returns the manifest.
 
     An interrupted run leaves ``out.partial``; calling again with the same arguments continues it.
+    ``out`` must be absent, empty or a shard set of ``source``; ``overwrite`` replaces any other folder.
     """
     from clipkit.data.download import Downloader
     from clipkit.data.shard import open_source
@@ -82,6 +84,7 @@ def shard(
         max_shard_bytes=max_shard_bytes,
         settings={key: value for key, value in (options or {}).items() if key not in resume_may_change},
         progress=progress,
+        overwrite=overwrite,
     )
 
 
@@ -115,6 +118,7 @@ def shard_split(
             max_shard_bytes=settings.get("max_shard_bytes"),
             settings={**(options or {}), "split": split, "part": part},
             progress=settings.get("progress"),
+            overwrite=settings.get("overwrite", False),
         )
     return manifests
 
@@ -149,11 +153,12 @@ def train(
 
 
 def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResult:
+    from clipkit.export import EXPORT_OUTPUT
+    from clipkit.io import claim_output_directory
     from clipkit.recipe import section, validate_or_raise
-    from clipkit.train.build import build_trainer, prepare_run_dir
-    from clipkit.train.loop import train_loop
-    from clipkit.train.stop import handling_signals
-    from clipkit.watch import watching
+    from clipkit.train.build import prepare_run_dir
+    from clipkit.train.run_lock import run_directory_lock
+    from clipkit.train.runtime import launched_as_main
 
     registry = registry or default_registry()
     started = time.perf_counter()
@@ -167,7 +172,22 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResu
         recipe = resolve(spec, overrides or [], registry)
         check_data(recipe, registry)  # before the run directory exists, as `clipkit validate` does
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
-    prepare_run_dir(recipe, run_dir, resume=resume)
+    with run_directory_lock(run_dir, enabled=launched_as_main()):
+        if section(recipe, "train").export and launched_as_main():
+            # Refused now, not after training: an export folder holding files clipkit did not write.
+            remedy = "move them away, or set train.export=false (and run clipkit export RUN OUT later)"
+            claim_output_directory(Path(run_dir) / "export", EXPORT_OUTPUT, remedy=remedy)
+        prepare_run_dir(recipe, run_dir, resume=resume)
+        return _train_locked(recipe, run_dir, registry, progress, started, resume=resume)
+
+
+def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool) -> TrainResult:
+    from clipkit.recipe import section
+    from clipkit.train.build import build_trainer
+    from clipkit.train.loop import train_loop
+    from clipkit.train.stop import handling_signals
+    from clipkit.watch import watching
+
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
     with watching(trainer) as events:  # on_run_start / on_evals / on_run_end (trackers)
         with handling_signals():  # SIGTERM/SIGINT: checkpoint after the step, then TrainingStopped
@@ -195,12 +215,15 @@ def train_in_process(recipe: dict, run_dir: Path, registry: Registry | None = No
     from clipkit.recipe import validate_or_raise
     from clipkit.train.build import build_trainer, prepare_run_dir
     from clipkit.train.loop import train_loop
+    from clipkit.train.run_lock import run_directory_lock
+    from clipkit.train.runtime import launched_as_main
 
     registry = registry or default_registry()
     recipe = validate_or_raise(recipe, registry)
-    prepare_run_dir(recipe, Path(run_dir), resume=False)
-    trainer = build_trainer(recipe, Path(run_dir), registry)
-    train_loop(trainer)
+    with run_directory_lock(run_dir, enabled=launched_as_main()):
+        prepare_run_dir(recipe, Path(run_dir), resume=False)
+        trainer = build_trainer(recipe, Path(run_dir), registry)
+        train_loop(trainer)
     return trainer.runtime.unwrap(trainer.model)
 
 
@@ -238,13 +261,19 @@ def export(
     registry: Registry | None = None,
     verify: bool | None = None,
     trust_checkpoint: bool | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Export a run's newest (or a given) checkpoint; ``verify``/``trust_checkpoint`` as in :func:`train`."""
+    """Export a run's newest (or a given) checkpoint; ``verify``/``trust_checkpoint`` as in :func:`train`.
+
+    ``out`` must be absent, empty or an earlier export; ``overwrite`` replaces any other folder
+    (never the run itself or its checkpoints)."""
     from clipkit.export import export_run
     from clipkit.integrity import loading
 
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
-        return export_run(Path(run_dir), Path(out), registry or default_registry(), checkpoint)
+        return export_run(
+            Path(run_dir), Path(out), registry or default_registry(), checkpoint, overwrite=overwrite
+        )
 
 
 CONVERT_LAYOUTS = "clipkit, open_clip, state_dict, hf"

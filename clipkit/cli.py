@@ -35,6 +35,11 @@ TRUST_HELP = (
     "wrote yourself, e.g. with an older clipkit"
 )
 
+OVERWRITE_HELP = (
+    "Replace OUT even when it holds files clipkit did not write there (they are deleted); without it "
+    "such a folder is refused"
+)
+
 
 class ListsChoices(TyperCommand):
     """A command whose ``--help`` shows, as an option's metavar, the names it takes (eval tasks,
@@ -114,6 +119,7 @@ def shard_command(
             "sample's key, the split `clipkit train --data` holds out)"
         ),
     ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
 ):
     """Turn a data source into WebDataset shards with a manifest (global index per sample).
 
@@ -133,7 +139,7 @@ def shard_command(
         with step_progress("sharding", total=None) as report:
             manifests = api.shard_split(
                 source, out, split, options=options, registry=registry(), samples_per_shard=samples_per_shard,
-                max_shard_bytes=max_shard_size, progress=report,
+                max_shard_bytes=max_shard_size, progress=report, overwrite=overwrite,
             )  # fmt: skip
         for part, manifest in manifests.items():
             shards = len(manifest["shards"])
@@ -149,6 +155,7 @@ def shard_command(
             options=options,
             registry=registry(),
             progress=report,
+            overwrite=overwrite,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
     skipped = (manifest.get("info") or {}).get("skipped") or {}
@@ -257,8 +264,12 @@ def export_command(
     checkpoint: Annotated[Path, typer.Option(help="A specific checkpoint (default: the newest)")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help=TRUST_HELP)] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
 ):
-    """Write model.safetensors + clipkit.json from a run's checkpoint."""
+    """Write model.safetensors + clipkit.json from a run's checkpoint.
+
+    OUT must be new, empty or an earlier export; --overwrite replaces any other folder (never the run).
+    """
     from clipkit import api
 
     path = api.export(
@@ -268,6 +279,7 @@ def export_command(
         registry=registry(),
         verify=not no_verify,
         trust_checkpoint=trust_checkpoint,
+        overwrite=overwrite,
     )
     typer.echo(f"exported {run_dir} to {path}")
 

@@ -28,7 +28,7 @@ from clipkit import __version__
 from clipkit.artifacts import one_line, read_json_object, read_yaml_mapping
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, reading_artifact, verify_files, warn_unverified
-from clipkit.io import atomic_directory
+from clipkit.io import Kept, OutputKind, atomic_directory, claim_output_directory
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
 from clipkit.recipe import SLOTS, get_path, section, validate, validate_or_raise
@@ -38,6 +38,11 @@ from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 FORMAT = "clipkit-export/1"
 WEIGHTS = "model.safetensors"
 METADATA = "clipkit.json"
+#: What an export directory holds: its files and the reports `clipkit eval` writes beside them. A
+#: directory of only these is replaced by a new export; one with anything else needs --overwrite.
+EXPORT_OUTPUT = OutputKind(
+    "export", (WEIGHTS, METADATA, "tokenizer-*", "eval.json", "eval.md", "eval-*.png"), marker=METADATA
+)
 MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")
 
 
@@ -80,10 +85,14 @@ def describe(recipe: dict, registry: Registry) -> dict[str, Any]:
     }
 
 
-def write_export(model: ContrastiveModel, recipe: dict, out_dir: Path, registry: Registry) -> Path:
-    """Write weights + metadata into ``out_dir`` atomically (a complete export or none)."""
+def write_export(
+    model: ContrastiveModel, recipe: dict, out_dir: Path, registry: Registry, *, overwrite: bool = False
+) -> Path:
+    """Write weights + metadata into ``out_dir`` atomically (a complete export or none). An existing
+    ``out_dir`` is replaced only when it is empty or an export (``overwrite``: whatever it holds)."""
     from safetensors.torch import save_model
 
+    claim_output_directory(out_dir, EXPORT_OUTPUT, overwrite=overwrite)
     carried = getattr(model.tokenizer, "export_files", dict)()  # e.g. a WordPiece vocab.txt
     if carried:  # the export holds its own copies: loading reads nothing outside it
         recipe = copy.deepcopy(recipe)
@@ -99,9 +108,24 @@ def write_export(model: ContrastiveModel, recipe: dict, out_dir: Path, registry:
     return Path(out_dir)
 
 
-def export_run(run_dir: Path, out_dir: Path, registry: Registry, checkpoint: Path | None = None) -> Path:
-    """Export the newest (or a given) checkpoint of a run."""
+def export_run(
+    run_dir: Path,
+    out_dir: Path,
+    registry: Registry,
+    checkpoint: Path | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Export the newest (or a given) checkpoint of a run. ``out_dir`` is checked first (see
+    :func:`write_export`); it is never the run directory, a folder holding it or its checkpoints."""
     run_dir = Path(run_dir)
+    protect = [
+        Kept(run_dir / "recipe.yaml", "the run's recipe"),
+        Kept(run_dir / "checkpoints", "the run's checkpoints"),
+    ]
+    if checkpoint is not None:
+        protect.append(Kept(checkpoint, "the checkpoint being exported"))
+    claim_output_directory(out_dir, EXPORT_OUTPUT, overwrite=overwrite, protect=protect)
     recipe_path = run_dir / "recipe.yaml"
     if not recipe_path.is_file():
         raise ClipkitError(f"{run_dir} is not a clipkit run: recipe.yaml is missing")
@@ -120,7 +144,7 @@ def export_run(run_dir: Path, out_dir: Path, registry: Registry, checkpoint: Pat
         raise ArtifactError(
             f"{Path(path) / STATE}: its weights do not fit the model of {recipe_path} ({one_line(error)})"
         ) from error
-    return write_export(model, recipe, out_dir, registry)
+    return write_export(model, recipe, out_dir, registry, overwrite=overwrite)
 
 
 #: Keys of clipkit.json that loading reads, with their JSON types.

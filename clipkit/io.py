@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from clipkit.errors import ClipkitError
 
 
 @contextlib.contextmanager
@@ -71,6 +75,84 @@ def replace_directory(finished: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(finished, target)
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What clipkit writes into one kind of output directory: ``names`` (fnmatch patterns) are its
+    files; ``marker``, when set, must be there too. A directory holding only these is clipkit's own
+    output of this kind (a re-export, a re-shard) and may be replaced; anything else is the user's."""
+
+    what: str
+    names: tuple[str, ...]
+    marker: str | None = None
+
+    def foreign(self, directory: Path) -> list[str]:
+        """The entries of ``directory`` clipkit did not write (all of them when the marker is missing)."""
+        entries = {entry.name: entry.is_file() for entry in directory.iterdir()}
+        if self.marker is not None and not entries.get(self.marker):
+            return sorted(entries)
+        own = lambda name: entries[name] and any(fnmatch.fnmatchcase(name, p) for p in self.names)  # noqa: E731
+        return sorted(name for name in entries if not own(name))
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A path an output directory never replaces: the directory may not be it or hold it, nor (when
+    ``inside``) lie inside it."""
+
+    path: Path | str
+    what: str
+    inside: bool = True
+
+
+#: What a refused output directory's message tells the user to do (commands with ``--overwrite``).
+OVERWRITE_REMEDY = (
+    "pick another output directory, or pass --overwrite to replace the folder and everything in it"
+)
+
+
+def claim_output_directory(
+    path: Path | str,
+    kind: OutputKind,
+    *,
+    overwrite: bool = False,
+    protect: Iterable[Kept] = (),
+    remedy: str = OVERWRITE_REMEDY,
+) -> None:
+    """The one check before an output directory is (re)written: ClipkitError unless ``path`` is
+    absent, empty, clipkit's own output of ``kind`` or ``overwrite`` is set. ``remedy`` ends the
+    message (a command without ``--overwrite`` says what to do instead).
+
+    ``protect``: paths never replaced, ``--overwrite`` or not (the run being exported, its
+    checkpoints, the source being sharded); see :class:`Kept`.
+    """
+    path = Path(path)
+    target = path.resolve()
+    for kept in protect:
+        kept_path = Path(kept.path).resolve()
+        relation = (
+            "is" if target == kept_path
+            else "contains" if target in kept_path.parents
+            else "is inside" if kept.inside and kept_path in target.parents
+            else None
+        )  # fmt: skip
+        if relation:
+            raise ClipkitError(
+                f"{path} {relation} {kept.what} ({kept_path}): the {kind.what} is never written there, "
+                "--overwrite or not; pick another output directory"
+            )
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise ClipkitError(f"{path} exists and is not a directory; pick another output directory")
+    foreign = kind.foreign(path)
+    if foreign and not overwrite:
+        listed = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+        raise ClipkitError(
+            f"{path} already exists and holds files that are not a clipkit {kind.what} ({listed}); "
+            f"writing the {kind.what} would delete them: {remedy}"
+        )
 
 
 def current_umask() -> int:

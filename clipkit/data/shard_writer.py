@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
-from clipkit.io import atomic_write_text, replace_directory
+from clipkit.io import (
+    OVERWRITE_REMEDY,
+    Kept,
+    OutputKind,
+    atomic_write_text,
+    claim_output_directory,
+    replace_directory,
+)
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.data.shard_lock import output_lock
 from clipkit.types import Sample
@@ -41,6 +48,11 @@ JOURNAL = "journal.json"
 JOURNAL_FORMAT = "clipkit-shard-journal/1"
 #: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical).
 MEMBER_MTIME = 0.0
+#: A finished shard set (``OUT``) and an interrupted one (``OUT.partial``): the files clipkit writes
+#: there. A directory holding anything else is refused unless ``overwrite`` (see
+#: :func:`clipkit.io.claim_output_directory`).
+SHARD_OUTPUT = OutputKind("shard set", ("shard-*.tar", MANIFEST, JOURNAL), marker=MANIFEST)
+PARTIAL_OUTPUT = OutputKind("shard set", ("shard-*.tar", "shard-*.tar.tmp", MANIFEST, JOURNAL))
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -90,8 +102,13 @@ def write_shards(
     max_shard_bytes: int | str | None = None,
     settings: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``samples`` as shards in ``out_dir`` (resuming ``out_dir.partial`` if there is one).
+
+    An existing ``out_dir`` is replaced only when it is empty or a shard set of the same ``source``
+    (re-sharding it); a folder holding anything else, or shards of another source, is refused
+    unless ``overwrite``. It is never the source itself or a folder holding it.
 
     A shard closes at ``samples_per_shard`` samples or once it holds ``max_shard_bytes`` bytes
     (it may exceed that by one sample). ``settings`` (e.g. the source options) must match on a
@@ -110,7 +127,38 @@ def write_shards(
     with output_lock(writer.out_dir) as waited:
         if waited and (writer.out_dir / MANIFEST).is_file():
             return reuse_concurrent_set(writer.out_dir, source)
+        claim_shard_directory(writer.out_dir, source, overwrite=overwrite)
         return writer.run(samples, info or {}, progress)
+
+
+def claim_shard_directory(out_dir: Path, source: str, *, overwrite: bool, remedy: str = OVERWRITE_REMEDY) -> None:
+    """Refuse (ClipkitError) to write shards of ``source`` over anything but an earlier set of it."""
+    protect = [Kept(path, "the source being sharded", inside=False) for path in local_paths(source)]
+    claim_output_directory(out_dir, SHARD_OUTPUT, overwrite=overwrite, protect=protect, remedy=remedy)
+    claim_output_directory(partial_directory(out_dir), PARTIAL_OUTPUT, overwrite=overwrite, remedy=remedy)
+    made_from = manifest_source(out_dir)
+    if made_from is not None and made_from != source and not overwrite:
+        raise ClipkitError(
+            f"{out_dir} already holds a shard set of {made_from!r}; writing {source!r} there would replace "
+            f"it: {remedy}"
+        )
+
+
+def manifest_source(out_dir: Path) -> str | None:
+    """The ``source`` a shard directory's manifest names (None without a readable manifest)."""
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return str(manifest.get("source")) if isinstance(manifest, dict) else None
+
+
+def local_paths(source: str) -> list[Path]:
+    """The existing local files or folders a source URI reads (``PATH``, ``scheme:PATH?query``)."""
+    candidates = [source, source.split("?", 1)[0]]
+    if ":" in source:
+        candidates.append(source.split(":", 1)[1].split("?", 1)[0])
+    return [Path(c) for c in dict.fromkeys(candidates) if c and Path(c).exists()]
 
 
 def reuse_concurrent_set(out_dir: Path, source: str) -> dict[str, Any]:
@@ -384,4 +432,6 @@ def check_shards(shards: str, source: str, *, pm=None):
         return None
     if not source:
         raise DataError(f"{directory}: no {MANIFEST} and no data.source to create it from")
+    # Refused before the source is opened: a data.shards folder holding files clipkit did not write.
+    claim_shard_directory(directory, source, overwrite=False, remedy="point data.shards at a new directory")
     return open_source(source, pm=pm)

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from clipkit.data.download import Downloader
 
 
+#: The UTF-8 byte-order mark some editors (Excel, Notepad) put at the start of a text file.
+UTF8_BOM = b"\xef\xbb\xbf"
 TABLE_DELIMITERS = {".jsonl": None, ".csv": ",", ".tsv": "\t"}
 TABLE_SUFFIXES = (*TABLE_DELIMITERS, ".parquet")
 DEFAULT_IMAGE_COLUMNS = ("image", "file", "path", "url")  # "url": img2dataset's input tables
@@ -269,6 +271,8 @@ class TableSource(FileSource):
         line from spoiling the rest."""
         with self.path.open("rb") as stream:
             for line_number, raw in enumerate(stream, 1):
+                if line_number == 1:
+                    raw = raw.removeprefix(UTF8_BOM)  # as open_text's utf-8-sig does for CSV/TSV
                 if not raw.strip():
                     continue
                 where = f"{self.path}: line {line_number}"

@@ -1,0 +1,260 @@
+"""Nothing a user had is deleted or overwritten (issue 26, "files deleted or overwritten").
+
+* ``clipkit export`` and ``clipkit shard`` into a folder holding other files are refused (exit 2, one
+  line naming the folder and ``--overwrite``), the files kept; ``--overwrite`` replaces the folder;
+  an earlier output of the same kind (a re-export, a re-shard of the same source) is replaced as before;
+  the run itself, its checkpoints and the source are never replaced, ``--overwrite`` or not.
+* Two ``clipkit train`` runs in one run directory: the second refuses at once, naming the directory and
+  the first one's pid; the first goes on; a run killed with -9 does not block ``--resume``.
+* A table starting with a UTF-8 byte-order mark keeps its first row (JSONL and CSV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from clipkit.cli import make_app
+from clipkit.data.shard import read_manifest
+from clipkit.manager import make_plugin_manager
+from clipkit.train.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.timeout(600)
+runner = CliRunner()
+SMOKE = "quickstart@smoke"
+SOURCE = "synthetic://shapes?n=24&seed=1"
+OTHER = "synthetic://shapes?n=40&seed=2"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 2-step quickstart@smoke run with two checkpoints and its export (made once, copied per test)."""
+    root = tmp_path_factory.mktemp("trained")
+    command = [sys.executable, "-m", "clipkit", "train", SMOKE, "train.steps=2", "train.checkpoint_every=1"]
+    done = subprocess.run([*command, "--run-dir", "run"], cwd=root, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def work(trained, tmp_path, monkeypatch) -> Path:
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def app():
+    return make_app(make_plugin_manager(autoload=False))
+
+
+def invoke(app, *args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_refused(result, *names: str) -> None:
+    """Exit code 2, one line naming ``names``, no traceback."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith("machine:")]
+    assert len(lines) == 1, result.output
+    for name in names:
+        assert name in lines[0], result.output
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under ``directory``."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def user_folder(path: Path) -> dict[str, str]:
+    (path / "results").mkdir(parents=True)
+    (path / "notes.txt").write_text("my notes\n")
+    (path / "results" / "table.csv").write_text("a,b\n1,2\n")
+    return snapshot(path)
+
+
+# ----------------------------------------------------------------------------- clipkit export
+
+
+def test_export_into_a_folder_with_other_files_is_refused_and_keeps_them(work, app):
+    kept = user_folder(work / "mine")
+    assert_refused(invoke(app, "export", "run", "mine"), "mine", "--overwrite")
+    assert snapshot(work / "mine") == kept
+
+
+def test_export_with_overwrite_replaces_the_folder(work, app):
+    user_folder(work / "mine")
+    result = invoke(app, "export", "run", "mine", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (work / "mine").iterdir()) == ["clipkit.json", "model.safetensors"]
+
+
+def test_export_again_replaces_an_earlier_export(work, app):
+    (work / "run/export/eval.json").write_text("{}")  # `clipkit eval run/export` wrote its report there
+    result = invoke(app, "export", "run", "run/export")
+    assert result.exit_code == 0, result.output
+    assert (work / "run/export/clipkit.json").is_file()
+    assert invoke(app, "export", "run", "new/export").exit_code == 0  # a new folder is created
+
+
+@pytest.mark.parametrize("out", ["run", "run/..", "run/checkpoints", "run/checkpoints/step-00000002"])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_export_never_replaces_the_run_or_its_checkpoints(work, app, out, overwrite):
+    kept = snapshot(work / "run")
+    assert_refused(invoke(app, "export", "run", out, *overwrite), out)
+    assert snapshot(work / "run") == kept
+    assert len(list_checkpoints(work / "run")) == 2
+
+
+def test_train_refuses_before_training_when_its_export_folder_holds_other_files(tmp_path, app, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kept = user_folder(tmp_path / "run" / "export")
+    result = invoke(app, "train", SMOKE, "train.steps=1", "--run-dir", "run")
+    assert_refused(result, "export", "train.export=false")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before training
+    assert snapshot(tmp_path / "run" / "export") == kept
+
+
+def test_train_does_not_shard_into_a_data_shards_folder_holding_other_files(tmp_path, app, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kept = user_folder(tmp_path / "mine")
+    result = invoke(app, "train", SMOKE, "train.steps=1", "data.shards=mine", "--run-dir", "run")
+    assert_refused(result, "mine", "data.shards")
+    assert snapshot(tmp_path / "mine") == kept
+
+
+# ----------------------------------------------------------------------------- clipkit shard
+
+
+def test_shard_into_a_folder_with_other_files_is_refused_and_keeps_them(tmp_path, app):
+    kept = user_folder(tmp_path / "mine")
+    assert_refused(invoke(app, "shard", SOURCE, tmp_path / "mine"), "mine", "--overwrite")
+    assert snapshot(tmp_path / "mine") == kept
+    result = invoke(app, "shard", SOURCE, tmp_path / "mine", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert read_manifest(tmp_path / "mine")["n"] == 24 and not (tmp_path / "mine/notes.txt").exists()
+
+
+def test_shard_over_a_set_of_another_source_is_refused(tmp_path, app):
+    out = tmp_path / "shards"
+    assert invoke(app, "shard", OTHER, out).exit_code == 0
+    kept = snapshot(out)
+    assert_refused(invoke(app, "shard", SOURCE, out), "shards", OTHER, "--overwrite")
+    assert snapshot(out) == kept and read_manifest(out)["n"] == 40
+
+
+def test_shard_again_from_the_same_source_replaces_the_set(tmp_path, app):
+    out = tmp_path / "shards"
+    assert invoke(app, "shard", SOURCE, out).exit_code == 0
+    assert invoke(app, "shard", SOURCE, out).exit_code == 0
+    assert read_manifest(out)["n"] == 24
+
+
+def test_shard_into_a_partial_folder_with_other_files_is_refused(tmp_path, app):
+    kept = user_folder(tmp_path / "shards.partial")
+    assert_refused(invoke(app, "shard", SOURCE, tmp_path / "shards"), "shards.partial", "--overwrite")
+    assert snapshot(tmp_path / "shards.partial") == kept
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_shard_never_replaces_its_source(tmp_path, app, overwrite):
+    source = tmp_path / "set"
+    assert invoke(app, "shard", SOURCE, source).exit_code == 0
+    kept = snapshot(tmp_path)
+    assert_refused(invoke(app, "shard", source, source, *overwrite), "set", "source")
+    assert_refused(invoke(app, "shard", source, tmp_path, *overwrite), str(tmp_path), "source")
+    assert snapshot(tmp_path) == kept
+
+
+# ----------------------------------------------------------------------------- run-directory lock
+
+
+def start_training(run_dir: Path, *extra: str) -> subprocess.Popen:
+    settings = ["train.steps=100000", "train.log_every=1", "train.checkpoint_every=2", "train.export=false"]
+    command = [sys.executable, "-m", "clipkit", "train", SMOKE, *settings, "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(command, cwd=run_dir.parent, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for(condition, process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_second_train_in_the_same_run_directory_refuses_and_a_killed_one_does_not_block_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_training(run_dir)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, first)
+        recipe = (run_dir / "recipe.yaml").read_bytes()
+        command = [sys.executable, "-m", "clipkit", "train", SMOKE, "train.steps=3", f"--run-dir={run_dir}"]
+        started = time.monotonic()
+        second = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and str(run_dir) in lines[0] and f"pid {first.pid}" in lines[0], second.stderr
+        assert time.monotonic() - started < 60  # at once, not after waiting for the first one
+        assert (run_dir / "recipe.yaml").read_bytes() == recipe  # the first run's recipe is untouched
+        steps = len(metrics.read_text().splitlines())
+        more = lambda: len(metrics.read_text().splitlines()) > steps + 1 and list_checkpoints(run_dir)  # noqa: E731
+        wait_for(more, first)
+        logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        assert logged == sorted(set(logged))  # one writer: no step twice
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+    newest = int(list_checkpoints(run_dir)[-1].name.split("-")[1])
+    resume = [sys.executable, "-m", "clipkit", "train", SMOKE, "--resume", "--run-dir", str(run_dir),
+              f"train.steps={newest + 1}"]  # fmt: skip
+    done = subprocess.run(resume, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(list_checkpoints(run_dir)[-1].name.split("-")[1]) == newest + 1
+
+
+# ----------------------------------------------------------------------------- byte-order mark
+
+
+def png(colour: tuple[int, int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".tsv"])
+def test_a_table_starting_with_a_byte_order_mark_keeps_its_first_row(tmp_path, app, suffix):
+    for index in range(3):
+        (tmp_path / f"{index}.png").write_bytes(png((80 * index, 0, 0)))
+    if suffix == ".jsonl":
+        text = "".join(json.dumps({"image": f"{i}.png", "caption": f"row {i}"}) + "\n" for i in range(3))
+    else:
+        sep = "," if suffix == ".csv" else "\t"
+        text = f"image{sep}caption\n" + "".join(f"{i}.png{sep}row {i}\n" for i in range(3))
+    table = tmp_path / f"table{suffix}"
+    table.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    result = invoke(app, "shard", table, tmp_path / "shards", "--strict")
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(tmp_path / "shards")
+    assert manifest["n"] == 3 and not (manifest.get("info") or {}).get("skipped")
