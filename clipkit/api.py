@@ -285,6 +285,7 @@ def convert(
     to: str,
     *,
     quick_gelu: bool | None = None,
+    overwrite: bool = False,
     registry: Registry | None = None,
 ) -> Path:
     """Convert a plain CLIP model between layouts; returns ``out``.
@@ -294,10 +295,12 @@ def convert(
     Hugging Face ``CLIPModel`` directory. ``to``: "clipkit", "open_clip", "state_dict" (a
     ``.safetensors`` file) or "hf". ``quick_gelu`` says which activation a bare state dict was
     trained with (None: from a ``open_clip_config.json`` beside it or the header clipkit writes,
-    else refused: the tensors cannot say). Only safetensors are read, never pickles.
+    else refused: the tensors cannot say). Only safetensors are read, never pickles. ``out`` must be
+    new, empty or an earlier output of the same layout (``overwrite``: whatever it holds), and is
+    never ``source`` or a folder holding it.
     """
     registry = registry or default_registry()
-    options = {"quick_gelu": quick_gelu}
+    options = {"quick_gelu": quick_gelu, "overwrite": overwrite}
     written = registry.pm.hook.convert_model(
         source=Path(source), out=Path(out), layout=to, registry=registry, options=options
     )

@@ -303,11 +303,15 @@ def convert_command(
         ),
     ] = "clipkit",
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
 ):
-    """Convert plain CLIP weights between clipkit, open_clip, OpenAI and Hugging Face layouts."""
+    """Convert plain CLIP weights between clipkit, open_clip, OpenAI and Hugging Face layouts.
+
+    OUT must be new, empty or an earlier output of the same layout; --overwrite replaces any other
+    (never SOURCE)."""
     from clipkit import api
 
-    path = api.convert(source, out, to, quick_gelu=quick_gelu, registry=registry())
+    path = api.convert(source, out, to, quick_gelu=quick_gelu, overwrite=overwrite, registry=registry())
     typer.echo(f"converted {source} to {path} ({to})")
 
 

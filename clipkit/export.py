@@ -41,7 +41,11 @@ METADATA = "clipkit.json"
 #: What an export directory holds: its files and the reports `clipkit eval` writes beside them. A
 #: directory of only these is replaced by a new export; one with anything else needs --overwrite.
 EXPORT_OUTPUT = OutputKind(
-    "export", (WEIGHTS, METADATA, "tokenizer-*", "eval.json", "eval.md", "eval-*.png"), marker=METADATA
+    # recipe.yaml: what `clipkit convert --to clipkit` writes beside the export (a run's own recipe.yaml
+    # is protected separately: an export is never written over its run).
+    "export",
+    (WEIGHTS, METADATA, "tokenizer-*", "recipe.yaml", "eval.json", "eval.md", "eval-*.png"),
+    marker=METADATA,
 )
 MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")
 

@@ -27,4 +27,11 @@ def convert_model(source, out, layout, registry, options):
 
     if layout not in layouts.LAYOUTS:
         return None
-    return layouts.convert(Path(source), Path(out), layout, registry, quick_gelu=options.get("quick_gelu"))
+    return layouts.convert(
+        Path(source),
+        Path(out),
+        layout,
+        registry,
+        quick_gelu=options.get("quick_gelu"),
+        overwrite=bool(options.get("overwrite", False)),
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError
+from clipkit.io import OutputKind
 from clipkit.plugins.interop.keys import StateDict, clipkit_to_hf, hf_to_clipkit
 from clipkit.plugins.interop.spec import (
     CLIP_BOS_ID,
@@ -28,6 +29,12 @@ from clipkit.plugins.interop.spec import mlp_ratio as ratio_of
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PREPROCESSOR = "preprocessor_config.json"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+#: What ``write_dir`` leaves in its folder (clipkit.io.OutputKind): a folder holding only these may be
+#: converted into again; any other file in it is the user's and refuses the write.
+DIRECTORY_OUTPUT = OutputKind(
+    "Hugging Face CLIP directory", (CONFIG, WEIGHTS, PREPROCESSOR, *TOKENIZER_FILES), marker=CONFIG
+)
 TEXT_DEFAULTS = {"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
                  "num_hidden_layers": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu",
                  "layer_norm_eps": 1e-5}  # fmt: skip
@@ -187,7 +194,7 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
 
 def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
     """Write a Hugging Face CLIPModel directory (config, preprocessor and tokenizer files, weights),
-    atomically."""
+    atomically (``out`` checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
     from clipkit.io import atomic_directory

@@ -197,12 +197,14 @@ def load_model(
 RECIPE = "recipe.yaml"
 
 
-def write_export(spec: ClipSpec, state: dict, out: Path, registry: Registry) -> Path:
+def write_export(
+    spec: ClipSpec, state: dict, out: Path, registry: Registry, *, overwrite: bool = False
+) -> Path:
     from clipkit.export import write_export as write
     from clipkit.recipe import save_recipe
 
     model, recipe = build(spec, state, registry)
-    out = write(model, recipe, Path(out), registry)
+    out = write(model, recipe, Path(out), registry, overwrite=overwrite)
     trainable = {k: v for k, v in recipe.items() if k not in ("name", "overrides")}
     save_recipe(trainable, out / RECIPE)
     return out
@@ -278,21 +280,57 @@ def spec_of_model(model: ContrastiveModel, metadata: dict, where: str) -> ClipSp
 
 
 def convert(
-    src: Path, out: Path, to: str, registry: Registry | None = None, *, quick_gelu: bool | None = None
+    src: Path,
+    out: Path,
+    to: str,
+    registry: Registry | None = None,
+    *,
+    quick_gelu: bool | None = None,
+    overwrite: bool = False,
 ):
-    """Convert the model at ``src`` (any layout) to ``out`` in layout ``to``; returns ``out``."""
+    """Convert the model at ``src`` (any layout) to ``out`` in layout ``to``; returns ``out``.
+
+    ``out`` is checked before anything is read (:func:`claim_output`): new, empty or an earlier
+    output of layout ``to``, or anything with ``overwrite``; never ``src`` or a folder holding it."""
     from clipkit.plugins.interop import hf, open_clip
     from clipkit.registry import default_registry
 
     if to not in LAYOUTS:
         raise ClipkitError(f"--to must be one of {', '.join(LAYOUTS)}, got {to!r}")
+    claim_output(Path(src), Path(out), to, overwrite)
     registry = registry or default_registry()
     spec, state = read(Path(src), registry, quick_gelu=quick_gelu)
     if to != "clipkit":
         build(spec, state, registry)  # the weights must fit the architecture before anything is written
     if to == "clipkit":
-        return write_export(spec, state, out, registry)
+        return write_export(spec, state, out, registry, overwrite=overwrite)
     writer = {"open_clip": open_clip.write_dir, "state_dict": open_clip.write_state_dict, "hf": hf.write_dir}[
         to
     ]
     return writer(spec, state, out)
+
+
+def claim_output(src: Path, out: Path, to: str, overwrite: bool) -> None:
+    """Refuse (ClipkitError) an ``out`` that holds what clipkit did not write for layout ``to``
+    (``clipkit.io.claim_output_directory``; for ``state_dict``, an existing file), and ``src``
+    itself or a folder holding it, ``overwrite`` or not."""
+    from clipkit.export import EXPORT_OUTPUT
+    from clipkit.io import OVERWRITE_REMEDY, Kept, claim_output_directory
+    from clipkit.plugins.interop import hf, open_clip
+
+    kept = [Kept(src, "the model being converted", inside=False)]
+    if to == "state_dict":
+        claim_output_file(src, out, overwrite)
+        return
+    kind = {"clipkit": EXPORT_OUTPUT, "open_clip": open_clip.DIRECTORY_OUTPUT, "hf": hf.DIRECTORY_OUTPUT}[to]
+    claim_output_directory(out, kind, overwrite=overwrite, protect=kept, remedy=OVERWRITE_REMEDY)
+
+
+def claim_output_file(src: Path, out: Path, overwrite: bool) -> None:
+    """A state dict file is written over an existing file only with ``overwrite``; never over ``src``."""
+    if out.resolve() == src.resolve() or (out.exists() and not out.is_file()):
+        raise ClipkitError(f"{out} is the model being converted or not a file: pick another output path")
+    if out.exists() and not overwrite:
+        raise ClipkitError(
+            f"{out} already exists: pick another output path, or pass --overwrite to replace the file"
+        )

@@ -20,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError
+from clipkit.io import OutputKind
 from clipkit.plugins.interop.keys import StateDict, clipkit_to_open_clip, open_clip_to_clipkit
 from clipkit.plugins.interop.spec import CLIP_MEAN, CLIP_STD, ClipSpec, TextSpec, VisionSpec, mlp_ratio
 
 CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
+#: What ``write_dir`` leaves in its folder (clipkit.io.OutputKind): a folder holding only these may be
+#: converted into again; any other file in it is the user's and refuses the write.
+DIRECTORY_OUTPUT = OutputKind("open_clip checkpoint", (CONFIG, WEIGHTS), marker=CONFIG)
 HEAD_WIDTH = 64  # open_clip's default head_width (and OpenAI's): one head per 64 channels
 
 #: open_clip config options whose non-default values change the architecture away from plain CLIP,
@@ -230,7 +234,8 @@ def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:
 
 
 def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
-    """Write an open_clip checkpoint directory (config + safetensors weights), atomically."""
+    """Write an open_clip checkpoint directory (config + safetensors weights), atomically (``out``
+    checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
     from clipkit.io import atomic_directory
