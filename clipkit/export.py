@@ -21,7 +21,7 @@ from clipkit import __version__
 from clipkit.artifacts import one_line, read_json_object, read_yaml_mapping
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
-from clipkit.io import atomic_directory
+from clipkit.io import atomic_directory, tensor_bytes
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
 from clipkit.recipe import SLOTS, get_path, section, validate, validate_or_raise
@@ -73,12 +73,16 @@ def describe(recipe: dict, registry: Registry) -> dict[str, Any]:
     }
 
 
-def write_export(model: ContrastiveModel, recipe: dict, out_dir: Path, registry: Registry) -> Path:
-    """Write weights + metadata into ``out_dir`` atomically (a complete export or none)."""
+def write_export(
+    model: ContrastiveModel, recipe: dict, out_dir: Path, registry: Registry, kept: str = ""
+) -> Path:
+    """Write weights + metadata into ``out_dir`` atomically (a complete export or none; a full disk
+    is one :class:`~clipkit.io.DiskFullError` line, nothing left behind)."""
     from safetensors.torch import save_model
 
     metadata = describe(recipe, registry)
-    with atomic_directory(out_dir) as building:
+    needed = tensor_bytes(model.state_dict()) + len(json.dumps(metadata, default=str))
+    with atomic_directory(out_dir, needed=needed, kept=kept) as building:
         # save_model records tied weights instead of refusing them (save_file raises on shared memory).
         save_model(model, str(building / WEIGHTS), metadata={"format": FORMAT})
         metadata["files"] = describe_files(building, [WEIGHTS])
@@ -107,7 +111,8 @@ def export_run(run_dir: Path, out_dir: Path, registry: Registry, checkpoint: Pat
         raise ArtifactError(
             f"{Path(path) / STATE}: its weights do not fit the model of {recipe_path} ({one_line(error)})"
         ) from error
-    return write_export(model, recipe, out_dir, registry)
+    kept = f"the run is intact: export it again with `clipkit export {run_dir} {out_dir}`"
+    return write_export(model, recipe, out_dir, registry, kept=kept)
 
 
 #: Keys of clipkit.json that loading reads, with their JSON types.

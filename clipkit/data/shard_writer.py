@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
-from clipkit.io import atomic_write_text, replace_directory
+from clipkit.io import atomic_write_text, fsync_directory, replace_directory, writing
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.data.shard_lock import output_lock
 from clipkit.types import Sample
@@ -162,6 +162,7 @@ class ResumableWriter:
         self.shards: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
         self.fields: set[str] = set()
+        self.abandoned_bytes = 0
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -215,22 +216,24 @@ class ResumableWriter:
         if progress is not None and self.written:
             progress(self.written)
         shard = None
-        try:
-            for sample in iterator:
-                if shard is None:
-                    shard = self.open_shard()
-                shard.write(encode_sample(sample, self.written + shard.count), sample)
-                if progress is not None:
-                    progress(1)
-                if self.is_full(shard):
+        with writing(self.out_dir, needed=self.next_shard_bytes, remove=self.unfinished, kept=self.kept_note):
+            try:
+                for sample in iterator:
+                    if shard is None:
+                        shard = self.open_shard()
+                    shard.write(encode_sample(sample, self.written + shard.count), sample)
+                    if progress is not None:
+                        progress(1)
+                    if self.is_full(shard):
+                        self.finish_shard(shard, samples)
+                        shard = None
+                if shard is not None:
                     self.finish_shard(shard, samples)
                     shard = None
-            if shard is not None:
-                self.finish_shard(shard, samples)
-                shard = None
-        finally:
-            if shard is not None:
-                shard.abandon()  # its .tmp is deleted and rewritten by the next run
+            finally:
+                if shard is not None:
+                    self.abandoned_bytes = shard.size
+                    shard.abandon()  # its .tmp is deleted (the next run rewrites that shard)
         if hasattr(samples, "info"):
             # Read after the pass: sources count what they skipped (by reason) while iterating.
             info = {**info, **samples.info()}
@@ -252,6 +255,27 @@ class ResumableWriter:
                     "already written; it changed since the interrupted run — delete the .partial directory"
                 )
         return iterator
+
+    # -- a full disk (clipkit.io.writing) ----------------------------------------------------
+
+    def unfinished(self) -> list[Path]:
+        """What a full disk leaves to delete: ``OUT.partial`` when no shard was finished, else
+        nothing (the half-written shard is gone already; the finished ones make a resume)."""
+        return [] if self.shards else [self.partial]
+
+    def next_shard_bytes(self) -> int | None:
+        """The room one more shard needs: ``max_shard_bytes``, else the largest finished one, else
+        what the unfinished one held when the disk filled (a lower bound)."""
+        sizes = [(self.partial / shard["name"]).stat().st_size for shard in self.shards[-1:]]
+        return self.max_shard_bytes or max(sizes + [self.abandoned_bytes]) or None
+
+    def kept_note(self) -> str:
+        if not self.shards:
+            return f"nothing was written; {self.out_dir} is unchanged"
+        return (
+            f"the {len(self.shards)} finished shard(s) in {self.partial} are kept: free space and rerun "
+            f"the same command to continue ({self.out_dir} is unchanged until the set is complete)"
+        )
 
     def is_full(self, shard: OpenShard) -> bool:
         by_size = self.max_shard_bytes is not None and shard.size >= self.max_shard_bytes
@@ -333,9 +357,14 @@ class OpenShard:
         self.count += 1
 
     def abandon(self) -> None:
-        """Close without finishing (the ``.tmp`` stays until the next run deletes it)."""
-        self.writer.close()
-        self.stream.close()
+        """Close without finishing and delete the ``.tmp`` (a full disk may fail the close)."""
+        try:
+            self.writer.close()
+            self.stream.close()
+        except OSError:
+            pass
+        finally:
+            self.temporary.unlink(missing_ok=True)
 
     def close(self) -> Path:
         self.writer.close()  # closes the tar stream, not our file object
@@ -345,18 +374,6 @@ class OpenShard:
         os.replace(self.temporary, self.path)
         fsync_directory(self.path.parent)
         return self.path
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (POSIX); a no-op where directories can't be opened."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
 
 
 def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
