@@ -265,8 +265,8 @@ def check_memory(recipe: dict, model, runtime, *, workers: int, announce: bool) 
             continue
         if needed > available:
             raise NotEnoughMemoryError(
-                f"train: this run needs about {estimate.describe()} per process but only "
-                f"{gib(available)} is {where} — it would be killed for lack of memory; lower it with "
+                f"train: this run needs about {estimate.describe()} per process, but only "
+                f"{gib(available)} {where}: it would be killed for lack of memory; lower it with "
                 f"{KNOBS}, or set train.memory_check=false to try anyway (docs/recipes.md)"
             )
         if needed > WARN_FRACTION * available and announce:
