@@ -40,6 +40,7 @@ def machine_with(monkeypatch, ram: int) -> None:
     except ImportError:
         return
     monkeypatch.setattr(memory_fit, "available_ram", lambda: ram)
+    monkeypatch.setattr(memory_fit, "resident_bytes", lambda: 0)  # nothing held yet: figures exact
 
 
 def one_error_line(result) -> str:
