@@ -60,6 +60,11 @@ class Metered:
 
     def write(self, data):
         size = len(data.encode("utf-8")) if isinstance(data, str) else memoryview(data).nbytes
+        if size > self._disk.free:  # what fits is written, as a real disk would, then ENOSPC
+            self._stream.write(
+                data[: self._disk.free] if isinstance(data, str) else bytes(data)[: self._disk.free]
+            )
+            self._stream.flush()
         self._disk.charge(size)
         return self._stream.write(data)
 
@@ -359,3 +364,17 @@ def test_a_real_full_tmpfs_checkpoint_and_export(work, tmpfs):
     assert list(small.iterdir()) == []
     state = torch.load(run / "checkpoints" / "step-00000001" / "state.pt", weights_only=True)
     assert state["step"] == 1
+
+
+def test_a_full_disk_while_logging_metrics_leaves_no_torn_line(tmp_path, small_disk):
+    from clipkit.io import DiskFullError
+    from clipkit.plugins.loggers import on_metrics
+    from clipkit.train.build import RunInfo
+
+    run = RunInfo(tmp_path, "quickstart@smoke", True)
+    on_metrics(step=1, metrics={"loss": 1.0}, run=run)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    small_disk(tmp_path, 10)  # less than one line
+    with pytest.raises(DiskFullError, match="metrics.jsonl: no space left"):
+        on_metrics(step=2, metrics={"loss": 0.5}, run=run)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before

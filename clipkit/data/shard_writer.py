@@ -162,7 +162,7 @@ class ResumableWriter:
         self.shards: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
         self.fields: set[str] = set()
-        self.abandoned_bytes = 0
+        self.abandoned: OpenShard | None = None  # the shard being written when a run failed
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -232,8 +232,8 @@ class ResumableWriter:
                     shard = None
             finally:
                 if shard is not None:
-                    self.abandoned_bytes = shard.size
-                    shard.abandon()  # its .tmp is deleted (the next run rewrites that shard)
+                    self.abandoned = shard
+                    shard.abandon()  # its .tmp is deleted by the next run (or now, if the disk is full)
         if hasattr(samples, "info"):
             # Read after the pass: sources count what they skipped (by reason) while iterating.
             info = {**info, **samples.info()}
@@ -259,15 +259,17 @@ class ResumableWriter:
     # -- a full disk (clipkit.io.writing) ----------------------------------------------------
 
     def unfinished(self) -> list[Path]:
-        """What a full disk leaves to delete: ``OUT.partial`` when no shard was finished, else
-        nothing (the half-written shard is gone already; the finished ones make a resume)."""
-        return [] if self.shards else [self.partial]
+        """What a full disk leaves to delete: the half-written shard, and ``OUT.partial`` when no
+        shard was finished (the finished ones are kept: a rerun continues from them)."""
+        half = [self.abandoned.temporary] if self.abandoned is not None else []
+        return half + ([] if self.shards else [self.partial])
 
     def next_shard_bytes(self) -> int | None:
         """The room one more shard needs: ``max_shard_bytes``, else the largest finished one, else
         what the unfinished one held when the disk filled (a lower bound)."""
         sizes = [(self.partial / shard["name"]).stat().st_size for shard in self.shards[-1:]]
-        return self.max_shard_bytes or max(sizes + [self.abandoned_bytes]) or None
+        unfinished = self.abandoned.size if self.abandoned is not None else 0
+        return self.max_shard_bytes or max(sizes + [unfinished]) or None
 
     def kept_note(self) -> str:
         if not self.shards:
@@ -357,14 +359,16 @@ class OpenShard:
         self.count += 1
 
     def abandon(self) -> None:
-        """Close without finishing and delete the ``.tmp`` (a full disk may fail the close)."""
+        """Close without finishing (the ``.tmp`` stays until the next run deletes it); on a full
+        disk the close itself may fail, which changes nothing."""
         try:
             self.writer.close()
+        except OSError:
+            pass
+        try:
             self.stream.close()
         except OSError:
             pass
-        finally:
-            self.temporary.unlink(missing_ok=True)
 
     def close(self) -> Path:
         self.writer.close()  # closes the tar stream, not our file object
