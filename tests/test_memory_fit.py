@@ -136,3 +136,17 @@ def test_the_activation_extrapolation_matches_a_measured_larger_batch():
     )
     predicted = activation_bytes(model, 16, size, "no")
     assert abs(predicted - measured) / measured < 0.1, (predicted, measured)
+
+
+def test_measuring_leaves_no_trace_on_the_model_or_the_random_streams():
+    from clipkit.train.memory_fit import activation_bytes
+
+    recipe, model = built("nuclr@tiny")  # a ResNet with BatchNorm statistics, dropout in the text tower
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    model.eval()
+    assert activation_bytes(model, 32, recipe["model"]["image_size"], "no") > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -45,7 +45,9 @@ are in the estimate). Where none of these can be read the check is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,30 +135,43 @@ def random_batch(model, batch_size: int, image_size: int) -> dict | None:
 
 
 def activation_bytes(model, per_forward: int, image_size: int, precision: str) -> int:
-    """A(B) = A(1) + (A(2) - A(1)) (B - 1), each A measured by :func:`saved_activation_bytes`."""
+    """A(B) = A(1) + (A(2) - A(1)) (B - 1), each A measured by :func:`saved_activation_bytes`
+    (the measurement leaves no trace: see :func:`leaving_no_trace`)."""
     one, two = random_batch(model, 1, image_size), random_batch(model, 2, image_size)
     if one is None or two is None:
         return 0
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    was_training = model.training
-    model.train()
-    try:
+    half = precision in ("bf16", "fp16")
 
-        def measure(batch):
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype else _null()
-            return saved_activation_bytes(model, batch, autocast)
+    def measure(batch):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=half)
+        return saved_activation_bytes(model, batch, autocast)
 
+    with leaving_no_trace(model):
+        model.train()
         a1, a2 = measure(one), measure(two)
-    finally:
-        model.train(was_training)
-        model.zero_grad(set_to_none=True)
     return max(a1, a1 + (a2 - a1) * (per_forward - 1))
 
 
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def leaving_no_trace(model) -> Iterator[None]:
+    """Run measurement forwards without changing what training will do: the RNG streams (dropout),
+    the buffers (BatchNorm statistics), frozen towers' output caches, train/eval mode and grads."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    caches = [(m.output_cache, dict(m.output_cache.store), m.output_cache.computed)
+              for m in model.modules() if hasattr(m, "output_cache")]  # fmt: skip
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for cache, store, computed in caches:
+            cache.store, cache.computed = store, computed
+        for module, training in modes:
+            module.training = training
+        model.zero_grad(set_to_none=True)
 
 
 def input_batch_bytes(model, batch_size: int, image_size: int) -> int:
