@@ -28,7 +28,7 @@ from clipkit import __version__
 from clipkit.artifacts import one_line, read_json_object, read_yaml_mapping
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, reading_artifact, verify_files, warn_unverified
-from clipkit.io import Kept, OutputKind, atomic_directory, claim_output_directory
+from clipkit.io import Kept, OutputKind, atomic_directory, claim_output_directory, tensor_bytes
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
 from clipkit.recipe import SLOTS, get_path, section, validate, validate_or_raise
@@ -90,10 +90,17 @@ def describe(recipe: dict, registry: Registry) -> dict[str, Any]:
 
 
 def write_export(
-    model: ContrastiveModel, recipe: dict, out_dir: Path, registry: Registry, *, overwrite: bool = False
+    model: ContrastiveModel,
+    recipe: dict,
+    out_dir: Path,
+    registry: Registry,
+    *,
+    overwrite: bool = False,
+    kept: str = "",
 ) -> Path:
-    """Write weights + metadata into ``out_dir`` atomically (a complete export or none). An existing
-    ``out_dir`` is replaced only when it is empty or an export (``overwrite``: whatever it holds)."""
+    """Write weights + metadata into ``out_dir`` atomically (a complete export or none; a full disk
+    is one :class:`~clipkit.io.DiskFullError` line, nothing left behind). An existing ``out_dir``
+    is replaced only when it is empty or an export (``overwrite``: whatever it holds)."""
     from safetensors.torch import save_model
 
     claim_output_directory(out_dir, EXPORT_OUTPUT, overwrite=overwrite)
@@ -102,7 +109,8 @@ def write_export(
         recipe = copy.deepcopy(recipe)
         recipe["model"]["tokenizer"].update({argument: f"tokenizer-{argument}" for argument in carried})
     metadata = describe(recipe, registry)
-    with atomic_directory(out_dir) as building:
+    needed = tensor_bytes(model.state_dict()) + len(json.dumps(metadata, default=str))
+    with atomic_directory(out_dir, needed=needed, kept=kept) as building:
         # save_model records tied weights instead of refusing them (save_file raises on shared memory).
         save_model(model, str(building / WEIGHTS), metadata={"format": FORMAT})
         for argument, source in carried.items():
@@ -148,7 +156,8 @@ def export_run(
         raise ArtifactError(
             f"{Path(path) / STATE}: its weights do not fit the model of {recipe_path} ({one_line(error)})"
         ) from error
-    return write_export(model, recipe, out_dir, registry, overwrite=overwrite)
+    kept = f"the run is intact: export it again with `clipkit export {run_dir} {out_dir}`"
+    return write_export(model, recipe, out_dir, registry, overwrite=overwrite, kept=kept)
 
 
 #: Keys of clipkit.json that loading reads, with their JSON types.

@@ -1,54 +1,227 @@
-"""Atomic file writes: a crash leaves either the old file or the new one, never half of one."""
+"""Atomic file writes: a crash leaves either the old file or the new one, never half of one.
+
+Every file clipkit writes goes through this module, so a full disk is handled in one place
+(:func:`writing`): whatever the writer was (``torch.save``, safetensors, a tar shard, a JSON file),
+running out of space becomes one :class:`DiskFullError` line naming the path, the bytes it needs
+and the bytes free there (``shutil.disk_usage``), after the half-written files are removed. What
+was complete before (the old file, earlier checkpoints, finished shards) is never touched.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from clipkit.errors import ClipkitError
 
+#: errno values that mean "no room left": the disk (ENOSPC) or the user's quota (EDQUOT).
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+#: How writers that hide the errno say it: the OS's text, Rust's io::ErrorKind (safetensors).
+DISK_FULL_WORDS = ("no space left on device", "disk quota exceeded", "storagefull", "os error 28")
+#: torch.save's C++ writer may drop the errno (to a path: "unexpected pos ... basic_ios::clear");
+#: such an error is taken for a full disk only when the filesystem has less than NEARLY_FULL left.
+ERRNO_LOST = ("unexpected pos", "iostream error", "file write failed")
+NEARLY_FULL = 1 << 20
+
+
+class DiskFullError(ClipkitError):
+    """The disk (or quota) filled while writing; the message names the path and the space needed."""
+
 
 @contextlib.contextmanager
-def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it over ``path`` if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
+def writing(
+    path: Path | str,
+    *,
+    needed: int | Callable[[], int | None] | None = None,
+    remove: Iterable[Path | str] | Callable[[], Iterable[Path | str]] = (),
+    kept: str | Callable[[], str] = "",
+) -> Iterator[None]:
+    """The one disk-full handler: run the block that writes ``path``; if the disk fills, delete
+    ``remove`` (the half-written files or directories) and raise :class:`DiskFullError` with the
+    bytes ``needed`` (a number or a function estimating it; None: unknown) against the bytes free.
+    ``kept`` is appended to the message (what survived, what rerunning does). ``remove`` and
+    ``kept`` may be functions, asked only when the disk is full."""
     try:
-        yield Path(temporary)
-        os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp makes 0600; give what open() would
-        _fsync(temporary)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        yield
+    except DiskFullError:
+        raise
+    except Exception as error:
+        if not is_disk_full(error, path):
+            raise
+        leftovers = [Path(p) for p in (remove() if callable(remove) else remove)]
+        written = sum(_size(p) for p in leftovers)
+        for leftover in leftovers:
+            _remove(leftover)
+        estimate = needed() if callable(needed) else needed
+        note = kept() if callable(kept) else kept
+        raise DiskFullError(disk_full_message(path, estimate, written, note)) from error
+
+
+def is_disk_full(error: BaseException, path: Path | str) -> bool:
+    """Whether ``error`` (or an error it wraps) means the filesystem of ``path`` is full."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(current).lower()
+        if any(words in text for words in DISK_FULL_WORDS):
+            return True
+        if any(words in text for words in ERRNO_LOST):  # torch.save's C++ writer: errno lost
+            free = free_bytes(path)
+            if free is not None and free < NEARLY_FULL:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def free_bytes(path: Path | str) -> int | None:
+    """Bytes free to this user on the filesystem of ``path`` (its nearest existing parent)."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def disk_full_message(path: Path | str, needed: int | None, written: int, kept: str = "") -> str:
+    free = free_bytes(path)
+    have = "an unknown amount" if free is None else human_bytes(free)
+    if needed is not None and needed > 0:
+        want = f"it needs about {human_bytes(needed)}, {have} free there"
+    else:
+        want = f"it needs more than the {human_bytes(written)} it had written, {have} free there"
+    removed = "; the partial files were removed" if written else ""
+    tail = f"; {kept}" if kept else ""
+    return f"{path}: no space left on the device: {want}{removed}{tail}"
+
+
+def human_bytes(count: int) -> str:
+    """``123456789`` -> ``"117.7 MiB (123456789 bytes)"``: readable, with the exact figure."""
+    value, unit = float(count), "bytes"
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, name
+    return f"{count} bytes" if unit == "bytes" else f"{value:.1f} {unit} ({count} bytes)"
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors in a (nested) state: what ``torch.save``/safetensors will write,
+    give or take headers; tensors sharing storage count once."""
+    import torch
+
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            key = (item.untyped_storage().data_ptr(), item.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += item.untyped_storage().nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def directory_bytes(path: Path | str) -> int:
+    return _size(Path(path))
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str, *, needed: int | Callable[[], int | None] | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` if the block succeeds
+    (a full disk: :class:`DiskFullError`, the temporary removed, the old ``path`` kept)."""
+    path = Path(path)
+    with writing(path, needed=needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        try:
+            with writing(path, needed=needed, remove=[Path(temporary)]):
+                yield Path(temporary)
+                os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp makes 0600; give what open() would
+                _fsync(temporary)
+                os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
 
 
 def atomic_write_text(path: Path | str, text: str) -> None:
-    with atomic_path(path) as temporary:
+    with atomic_path(path, needed=len(text.encode("utf-8"))) as temporary:
         temporary.write_text(text, encoding="utf-8")
 
 
 @contextlib.contextmanager
-def atomic_directory(path: Path | str) -> Iterator[Path]:
-    """Build a directory under a temporary name; it replaces ``path`` only when complete."""
+def atomic_directory(
+    path: Path | str, *, needed: int | Callable[[], int | None] | None = None, kept: str = ""
+) -> Iterator[Path]:
+    """Build a directory under a temporary name; it replaces ``path`` only when complete (a full
+    disk: :class:`DiskFullError`, the temporary removed, an old ``path`` kept)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    with writing(path, needed=needed, kept=kept):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        try:
+            with writing(path, needed=needed, remove=[temporary], kept=kept):
+                yield temporary
+                os.chmod(temporary, 0o777 & ~current_umask())  # mkdtemp makes 0700; give what mkdir() would
+                default_permissions(temporary)
+                replace_directory(temporary, path)
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def write_durably(path: Path | str, write: Callable[[object], None], mode: str = "wb") -> None:
+    """Open ``path``, ``write(stream)``, flush and fsync: for files inside a directory that is
+    itself renamed into place when complete (checkpoints), under the disk-full handler of that
+    directory's writer."""
+    with open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as stream:
+        write(stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def fsync_directory(directory: Path | str) -> None:
+    """Make a rename in ``directory`` durable (POSIX); a no-op where directories can't be opened."""
     try:
-        yield temporary
-        os.chmod(temporary, 0o777 & ~current_umask())  # mkdtemp makes 0700; give what mkdir() would
-        default_permissions(temporary)
-        replace_directory(temporary, path)
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
     finally:
-        shutil.rmtree(temporary, ignore_errors=True)
+        os.close(handle)
 
 
 def default_permissions(directory: Path) -> None:

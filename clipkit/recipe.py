@@ -123,6 +123,9 @@ class TrainConfig:
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" with a message, or "skip" the step
     compile: str = "none"  # torch.compile the towers: none | default | reduce-overhead | max-autotune
     threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
+    # Estimate the run's memory before training; refuse it when it exceeds what the machine has
+    # (clipkit.train.memory_fit); false: run anyway
+    memory_check: bool = True
     distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
     # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
     # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)

@@ -38,7 +38,9 @@ from clipkit.io import (
     OutputKind,
     atomic_write_text,
     claim_output_directory,
+    fsync_directory,
     replace_directory,
+    writing,
 )
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.data.shard_lock import output_lock
@@ -210,6 +212,7 @@ class ResumableWriter:
         self.shards: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
         self.fields: set[str] = set()
+        self.abandoned: OpenShard | None = None  # the shard being written when a run failed
 
     # -- journal ---------------------------------------------------------------------------
 
@@ -263,22 +266,24 @@ class ResumableWriter:
         if progress is not None and self.written:
             progress(self.written)
         shard = None
-        try:
-            for sample in iterator:
-                if shard is None:
-                    shard = self.open_shard()
-                shard.write(encode_sample(sample, self.written + shard.count), sample)
-                if progress is not None:
-                    progress(1)
-                if self.is_full(shard):
+        with writing(self.out_dir, needed=self.next_shard_bytes, remove=self.unfinished, kept=self.kept_note):
+            try:
+                for sample in iterator:
+                    if shard is None:
+                        shard = self.open_shard()
+                    shard.write(encode_sample(sample, self.written + shard.count), sample)
+                    if progress is not None:
+                        progress(1)
+                    if self.is_full(shard):
+                        self.finish_shard(shard, samples)
+                        shard = None
+                if shard is not None:
                     self.finish_shard(shard, samples)
                     shard = None
-            if shard is not None:
-                self.finish_shard(shard, samples)
-                shard = None
-        finally:
-            if shard is not None:
-                shard.abandon()  # its .tmp is deleted and rewritten by the next run
+            finally:
+                if shard is not None:
+                    self.abandoned = shard
+                    shard.abandon()  # its .tmp is deleted by the next run (or now, if the disk is full)
         if hasattr(samples, "info"):
             # Read after the pass: sources count what they skipped (by reason) while iterating.
             info = {**info, **samples.info()}
@@ -300,6 +305,29 @@ class ResumableWriter:
                     "already written; it changed since the interrupted run — delete the .partial directory"
                 )
         return iterator
+
+    # -- a full disk (clipkit.io.writing) ----------------------------------------------------
+
+    def unfinished(self) -> list[Path]:
+        """What a full disk leaves to delete: the half-written shard, and ``OUT.partial`` when no
+        shard was finished (the finished ones are kept: a rerun continues from them)."""
+        half = [self.abandoned.temporary] if self.abandoned is not None else []
+        return half + ([] if self.shards else [self.partial])
+
+    def next_shard_bytes(self) -> int | None:
+        """The room one more shard needs: ``max_shard_bytes``, else the largest finished one, else
+        what the unfinished one held when the disk filled (a lower bound)."""
+        sizes = [(self.partial / shard["name"]).stat().st_size for shard in self.shards[-1:]]
+        unfinished = self.abandoned.size if self.abandoned is not None else 0
+        return self.max_shard_bytes or max(sizes + [unfinished]) or None
+
+    def kept_note(self) -> str:
+        if not self.shards:
+            return f"nothing was written; {self.out_dir} is unchanged"
+        return (
+            f"the {len(self.shards)} finished shard(s) in {self.partial} are kept: free space and rerun "
+            f"the same command to continue ({self.out_dir} is unchanged until the set is complete)"
+        )
 
     def is_full(self, shard: OpenShard) -> bool:
         by_size = self.max_shard_bytes is not None and shard.size >= self.max_shard_bytes
@@ -381,9 +409,16 @@ class OpenShard:
         self.count += 1
 
     def abandon(self) -> None:
-        """Close without finishing (the ``.tmp`` stays until the next run deletes it)."""
-        self.writer.close()
-        self.stream.close()
+        """Close without finishing (the ``.tmp`` stays until the next run deletes it); on a full
+        disk the close itself may fail, which changes nothing."""
+        try:
+            self.writer.close()
+        except OSError:
+            pass
+        try:
+            self.stream.close()
+        except OSError:
+            pass
 
     def close(self) -> Path:
         self.writer.close()  # closes the tar stream, not our file object
@@ -393,18 +428,6 @@ class OpenShard:
         os.replace(self.temporary, self.path)
         fsync_directory(self.path.parent)
         return self.path
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (POSIX); a no-op where directories can't be opened."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
 
 
 def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:

@@ -26,6 +26,7 @@ from clipkit.model import batched_input_size, build_model, build_slot, build_tra
 from clipkit.recipe import distributed_config, save_recipe, section
 from clipkit.registry import Registry
 from clipkit.train.checkpoint import latest_checkpoint, load_state, load_weights, restore_trainer
+from clipkit.train.memory_fit import check_memory
 from clipkit.train.runtime import Runtime
 from clipkit.types import optional_member
 
@@ -78,9 +79,13 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     )
     model = build_model(recipe, registry)
     prepare_model(model, recipe, registry, resume=resume)  # model.init, model.frozen (+ output caches)
-    stream = build_stream(recipe, runtime, registry, model)
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)
+    # Before the data, optimiser and runtime take memory: refuse a run the machine cannot hold.
+    workers = fit_to_machine(data.num_workers, settings.threads, accelerator=runtime.device.type != "cpu")
+    check_memory(recipe, model, runtime, workers=workers.workers if data.stream is None else 0,
+                 announce=runtime.is_main)  # fmt: skip
+    stream = build_stream(recipe, runtime, registry, model)
     loss = build_slot(
         registry,
         "loss",

@@ -15,7 +15,8 @@ unpickled (:mod:`clipkit.safe_load`), so a crafted one cannot run code on ``--re
 
 Every process writes into ``.step-00000123.partial/``; when all are done the main process renames
 it to ``step-00000123`` — one atomic rename, so a crash or ``kill -9`` mid-write never leaves a
-half checkpoint where resume would find it — then prunes all but the newest ``keep``.
+half checkpoint where resume would find it — then prunes all but the newest ``keep``. A full disk
+(:func:`clipkit.io.writing`) removes the ``.partial`` directory and keeps the earlier checkpoints.
 Checkpoints of multi-node runs must be on a filesystem every node sees.
 """
 
@@ -33,6 +34,7 @@ import torch
 
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
+from clipkit.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
 from clipkit.safe_load import check_deepspeed_files, decode_rng, encode_rng, first_line, load_file
 
 PATTERN = re.compile(r"^step-(\d{8})$")
@@ -74,30 +76,41 @@ def save_checkpoint(
     ``state()`` is called on the main process only, after the shards are written.
     """
     building, final = partial_dir(run_dir, step), final_dir(run_dir, step)
-    if is_main:
-        shutil.rmtree(building, ignore_errors=True)  # leftovers of a run killed mid-write
-        building.mkdir(parents=True)
-    barrier()
-    write_shards(building)
-    barrier()
-    if is_main:
-        _save(building / STATE, {"step": step, **state()})
-        write_manifest(building)
-        _fsync_directory(building)
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
-        os.replace(building, final)
-        _fsync_directory(final.parent)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    earlier = latest_checkpoint(run_dir)
+    sizes: dict[str, int] = {}
+
+    def needed() -> int | None:  # a checkpoint of this run is as large as the one before it
+        return directory_bytes(earlier) if earlier is not None else sizes.get("state")
+
+    kept = (
+        f"the earlier checkpoint {earlier.name} is intact (resume from it with --resume)"
+        if earlier is not None
+        else "no earlier checkpoint"
+    )
+    with writing(final, needed=needed, remove=[building] if is_main else [], kept=kept):
+        if is_main:
+            shutil.rmtree(building, ignore_errors=True)  # leftovers of a run killed mid-write
+            building.mkdir(parents=True)
+        barrier()
+        write_shards(building)
+        barrier()
+        if is_main:
+            value = {"step": step, **state()}
+            sizes["state"] = tensor_bytes(value)
+            _save(building / STATE, value)
+            write_manifest(building)
+            fsync_directory(building)
+            shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
+            os.replace(building, final)
+            fsync_directory(final.parent)
+            for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 
 
 def _save(path: Path, value: Any) -> None:
-    with open(path, "wb") as handle:
-        torch.save(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_durably(path, lambda handle: torch.save(value, handle))
 
 
 def save_rng(directory: Path, rank: int, state: dict[str, Any]) -> None:
@@ -109,10 +122,8 @@ def write_manifest(directory: Path) -> None:
     """``checkpoint.json``: the sha256 of every file in the checkpoint (the main process, last)."""
     names = [str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file()]
     manifest = {"format": MANIFEST_FORMAT, "files": describe_files(directory, names)}
-    with open(Path(directory) / MANIFEST, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(manifest, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    text = json.dumps(manifest, indent=1) + "\n"
+    write_durably(Path(directory) / MANIFEST, lambda handle: handle.write(text), mode="w")
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -132,14 +143,6 @@ def verify_checkpoint(path: Path) -> None:
     present = (str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
     loaded = [n for n in present if n == STATE or n.startswith(("rng-", f"{DEEPSPEED}/"))]
     verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint", required=loaded)
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -1,13 +1,14 @@
 """One training run per run directory: an exclusive ``fcntl`` lock on ``RUN/.clipkit.lock``.
 
 Two ``clipkit train`` processes given the same ``--run-dir`` would otherwise write the same
-checkpoints and interleave one ``metrics.jsonl``. The first holds the lock for its whole run (training,
-export, evaluation) and writes its pid into the file; a second one refuses at once, naming the run
-directory and that pid. The kernel drops the lock when its holder exits, kill -9 included, so a crashed
-run never blocks ``--resume``; the file itself stays (deleting it would let two later runs lock two
-different files). Under ``accelerate launch``/``torchrun`` only process 0 takes it (the other processes
-of one launch belong to the same run). Where the file system cannot lock (some network mounts) the
-run goes on unlocked, with a warning.
+checkpoints and interleave one ``metrics.jsonl``. The first holds the lock for its whole run
+(training, export, evaluation) and writes its pid into the file; a second one refuses at once,
+naming the run directory and that pid. The kernel drops the lock when its holder exits, kill -9
+included (a POSIX record lock: forked DataLoader workers do not inherit it), so a crashed run never
+blocks ``--resume``; the file itself stays (deleting it would let two later runs lock two different
+files). Under ``accelerate launch``/``torchrun`` only process 0 takes it (the other processes of one
+launch belong to the same run). Where the file system cannot lock (some network mounts) the run
+goes on unlocked, with a warning.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def run_directory_lock(run_dir: Path | str, *, enabled: bool = True) -> Iterator
     handle = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock (lockf), not flock: it belongs to this process alone, so DataLoader
+            # workers forked while it is held do not keep it alive after the run ends or fails.
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
             holder = os.pread(handle, 64, 0).decode("ascii", "replace").strip() or "unknown"
             raise RunDirectoryBusy(
                 f"{run_dir} is in use by another clipkit train (pid {holder}); wait for it to finish "

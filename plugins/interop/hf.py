@@ -197,10 +197,10 @@ def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
     atomically (``out`` checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_directory
+    from clipkit.io import atomic_directory, tensor_bytes
 
     config = config_from_spec(spec, float(state["similarity.log_scale"].reshape(())))
-    with atomic_directory(Path(out)) as building:
+    with atomic_directory(Path(out), needed=tensor_bytes(state)) as building:
         save_file(clipkit_to_hf(state), str(building / WEIGHTS), metadata={"format": "pt"})
         (building / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (building / PREPROCESSOR).write_text(

@@ -225,10 +225,10 @@ def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:
     """Write the OpenAI/open_clip-layout state dict to ``path`` (.safetensors), atomically."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_path
+    from clipkit.io import atomic_path, tensor_bytes
 
     metadata = {"format": "pt", QUICK_GELU_KEY: "true" if spec.quick_gelu else "false"}
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), needed=tensor_bytes(state)) as tmp:
         save_file(clipkit_to_open_clip(state, spec.vision.kind), str(tmp), metadata=metadata)
     return Path(path)
 
@@ -238,9 +238,9 @@ def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
     checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_directory
+    from clipkit.io import atomic_directory, tensor_bytes
 
-    with atomic_directory(Path(out)) as building:
+    with atomic_directory(Path(out), needed=tensor_bytes(state)) as building:
         save_file(
             clipkit_to_open_clip(state, spec.vision.kind), str(building / WEIGHTS), metadata={"format": "pt"}
         )

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from clipkit.hookspecs import hookimpl
+from clipkit.io import DiskFullError, writing
 
 
 @hookimpl
@@ -14,6 +15,14 @@ def on_metrics(step, metrics, run):
         return
     record = {"step": step, **metrics}
     path = Path(run.directory) / "metrics.jsonl"
+    line = json.dumps(record, sort_keys=True) + "\n"
+    size = path.stat().st_size if path.is_file() else 0
     # Appending one line per call keeps a crash from losing earlier metrics.
-    with path.open("a", encoding="utf-8") as stream:
-        stream.write(json.dumps(record, sort_keys=True) + "\n")
+    try:
+        guard = writing(path, needed=len(line.encode("utf-8")), kept="its earlier lines are kept")
+        with guard, path.open("a", encoding="utf-8") as out:
+            out.write(line)
+    except DiskFullError:
+        with open(path, "r+b") as stream:  # no torn line for a resumed run to append to
+            stream.truncate(size)
+        raise
