@@ -258,3 +258,55 @@ def test_a_table_starting_with_a_byte_order_mark_keeps_its_first_row(tmp_path, a
     assert result.exit_code == 0, result.output
     manifest = read_manifest(tmp_path / "shards")
     assert manifest["n"] == 3 and not (manifest.get("info") or {}).get("skipped")
+
+
+# ----------------------------------------------------------------------------- clipkit convert
+
+
+@pytest.fixture
+def plain_clip(work, registry) -> Path:
+    """A tiny plain-CLIP state dict as clipkit writes it (activation recorded in its header)."""
+    from clipkit.model import build_model
+    from clipkit.plugins.interop import layouts, open_clip
+    from clipkit.plugins.interop.spec import ClipSpec, TextSpec, VisionSpec
+
+    vision = VisionSpec("vit", 64, 1, 1, 32, patch_size=16)
+    spec = ClipSpec(16, vision, TextSpec(width=64, layers=1, heads=1, context_length=16), quick_gelu=False)
+    model = build_model(layouts.recipe_for(spec, {}, registry), registry)
+    return open_clip.write_state_dict(spec, model.state_dict(), work / "source" / "plain.safetensors")
+
+
+@pytest.mark.parametrize("layout", ["clipkit", "open_clip", "hf"])
+def test_convert_into_a_folder_with_other_files_is_refused_and_keeps_them(work, app, layout, plain_clip):
+    """The same output check as export's, for every layout: refused with the files kept, replaced with
+    --overwrite, and a folder holding only an earlier output of that layout is written again."""
+    kept = user_folder(work / "mine")
+    assert_refused(invoke(app, "convert", plain_clip, "mine", "--to", layout), "mine", "--overwrite")
+    assert snapshot(work / "mine") == kept
+    replaced = invoke(app, "convert", plain_clip, "mine", "--to", layout, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert not (work / "mine" / "notes.txt").exists()
+    again = invoke(app, "convert", plain_clip, "mine", "--to", layout)
+    assert again.exit_code == 0, again.output
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_convert_never_replaces_its_source(work, app, overwrite, plain_clip):
+    kept = snapshot(work / "run")
+    assert_refused(invoke(app, "convert", "run/export", "run/export", *overwrite), "run/export")
+    assert_refused(invoke(app, "convert", "run/export", "run", "--to", "open_clip", *overwrite), "run")
+    assert snapshot(work / "run") == kept
+    source = snapshot(plain_clip.parent)
+    assert_refused(invoke(app, "convert", plain_clip, plain_clip.parent, *overwrite), "source")
+    assert_refused(invoke(app, "convert", plain_clip, plain_clip, "--to", "state_dict", *overwrite), "plain")
+    assert snapshot(plain_clip.parent) == source
+
+
+def test_convert_to_a_state_dict_file_replaces_a_file_only_when_asked(work, app, plain_clip):
+    target = work / "mine.safetensors"
+    target.write_bytes(b"not mine to lose")
+    refused = invoke(app, "convert", plain_clip, target, "--to", "state_dict")
+    assert_refused(refused, "mine.safetensors", "--overwrite")
+    assert target.read_bytes() == b"not mine to lose"
+    replaced = invoke(app, "convert", plain_clip, target, "--to", "state_dict", "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
