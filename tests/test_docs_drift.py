@@ -38,7 +38,13 @@ FILE_SUFFIXES = {"json", "jsonl", "md", "png", "safetensors", "bin", "pt", "yaml
 
 #: Dotted names in the docs that are not recipe keys: attributes of the object
 #: ``clipkit.load`` returns (docs/python.md) and of a similarity (docs/evaluation.md).
-NOT_RECIPE_KEYS = {"model.encode_image", "model.encode_text", "model.model", "model.metadata", "similarity.embed"}
+NOT_RECIPE_KEYS = {
+    "model.encode_image",
+    "model.encode_text",
+    "model.model",
+    "model.metadata",
+    "similarity.embed",
+}
 
 #: Options of other tools the docs show beside clipkit's: accelerate launch, pip.
 OTHER_TOOLS = {"--multi_gpu", "--num_processes", "--use_deepspeed", "--zero_stage", "--cpu", "--no-deps"}
