@@ -1,0 +1,344 @@
+"""Docs that cannot drift: every repository path, ``clipkit`` command and option, and recipe key
+named in README.md and docs/*.md exists.
+
+What is checked (everything else in the docs is prose):
+
+- **paths**: backticked tokens that start with a top-level folder of this repository
+  (``clipkit/``, ``plugins/``, ``recipes/``, ``tests/``, ...) must exist (globs may match);
+- **commands**: ``clipkit ...`` in code blocks and backticks: each sub-command and each
+  ``--option`` must be one the Typer app (:func:`clipkit.cli.make_app`, plugins' commands
+  included) accepts at that place, and ``key=value`` overrides must name recipe keys;
+- **options**: a backticked ``--option`` on its own must be accepted by some ``clipkit`` command,
+  by a script in the repository (benchmarks/, tools/, .ci/) or be one of :data:`OTHER_TOOLS`;
+- **recipe keys**: backticked dotted names under a recipe section (``data.num_workers``,
+  ``train.distributed.local_loss``, ``loss.temperature``) must be a field of the host settings
+  (:data:`clipkit.recipe.SECTIONS`) or an argument some registered plugin of that slot accepts.
+
+Each failure names the file, the line and the missing thing.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import re
+import typing
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP_FOLDERS = ("clipkit", "plugins", "recipes", "tests", "docs", "benchmarks", "tools", ".ci")
+SECTIONS_RE = r"(?:data|model|train|similarity|loss|optimizer|schedule|eval)"
+KEY_RE = re.compile(rf"^({SECTIONS_RE}(?:\.[A-Za-z_]\w*)+)(?:=.*)?$")
+FILE_SUFFIXES = {"json", "jsonl", "md", "png", "safetensors", "bin", "pt", "yaml", "txt", "py", "log"}
+
+#: Dotted names in the docs that are not recipe keys: attributes of the object
+#: ``clipkit.load`` returns (docs/python.md) and of a similarity (docs/evaluation.md).
+NOT_RECIPE_KEYS = {
+    "model.encode_image",
+    "model.encode_text",
+    "model.model",
+    "model.metadata",
+    "similarity.embed",
+}
+
+#: Options of other tools the docs show beside clipkit's: accelerate launch, pip.
+OTHER_TOOLS = {"--multi_gpu", "--num_processes", "--use_deepspeed", "--zero_stage", "--cpu", "--no-deps"}
+
+#: Recipe keys the docs name on purpose although no recipe accepts them: the misspelt key of
+#: docs/recipes.md's `clipkit validate` example, and the argument of docs/plugins.md's example
+#: third-party loss (`i2t_infonce`, not installed here).
+EXAMPLE_KEYS = {"train.stpes", "loss.weight"}
+
+
+# ----------------------------------------------------------------------------- reading the docs
+
+
+def _spans(path: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(backticked spans outside code blocks, logical lines inside code blocks), each with its line."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    prose: list[str] = []
+    code: list[tuple[int, str]] = []
+    in_code, pending, pending_line = False, "", 0
+    for number, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            prose.append("")
+            continue
+        if in_code:
+            prose.append("")
+            text = line.split(" #")[0] if not line.lstrip().startswith("#") else ""
+            if not pending:
+                pending_line = number
+            if text.rstrip().endswith("\\"):
+                pending += text.rstrip()[:-1] + " "
+                continue
+            code.append((pending_line, pending + text))
+            pending = ""
+        else:
+            prose.append(line)
+    text = "\n".join(prose)
+    spans = []
+    for match in re.finditer(r"`([^`\n]+(?:\n[^`\n]+)?)`", text):
+        spans.append((text.count("\n", 0, match.start()) + 1, match.group(1).replace("\n", " ")))
+    return spans, code
+
+
+def _mentions():
+    for path in DOCS:
+        spans, code = _spans(path)
+        yield path, spans, code
+
+
+def _where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+# ----------------------------------------------------------------------------- what exists
+
+
+@cache
+def _cli():
+    """The ``clipkit`` command as Typer builds it (Typer may bundle its own click: duck-typed here)."""
+    import typer
+
+    from clipkit.cli import make_app
+
+    return typer.main.get_command(make_app())
+
+
+def _options(command) -> dict[str, int]:
+    """Every option of ``command`` -> how many values follow it (0: a flag)."""
+    names = {"--help": 0}
+    for param in command.params:
+        if param.param_type_name != "option":
+            continue
+        takes = 0 if param.is_flag or param.count else param.nargs
+        names |= dict.fromkeys(param.opts, takes) | dict.fromkeys(param.secondary_opts, 0)
+    return names
+
+
+@cache
+def _all_clipkit_options() -> frozenset[str]:
+    found: set[str] = set()
+
+    def walk(command) -> None:
+        found.update(_options(command))
+        if hasattr(command, "commands"):
+            for sub in command.commands.values():
+                walk(sub)
+
+    walk(_cli())
+    return frozenset(found)
+
+
+@cache
+def _script_options() -> frozenset[str]:
+    """``--options`` the repository's own scripts declare (benchmarks, tools, CI)."""
+    found: set[str] = set()
+    for folder in ("benchmarks", "tools", ".ci"):
+        for file in (ROOT / folder).rglob("*"):
+            if file.is_file() and file.suffix in {".py", ".sh", ""}:
+                found.update(re.findall(r"""["'\s](--[a-z][\w-]*)""", file.read_text(errors="replace")))
+    return frozenset(found)
+
+
+@cache
+def _registry():
+    from clipkit.registry import default_registry
+
+    return default_registry()
+
+
+def _plugin_accepts(kind: str, argument: str) -> bool:
+    """Some registered plugin of ``kind`` takes ``argument`` (or any keyword)."""
+    for entry in _registry().entries(kind):
+        parameters = inspect.signature(entry.factory).parameters
+        if argument in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            return True
+    return False
+
+
+def recipe_key_problem(key: str) -> str | None:
+    """Why ``key`` (``data.num_workers``) is not a recipe key; None when it is one."""
+    from clipkit.recipe import SECTIONS, SLOTS, DistributedConfig
+
+    slots = {slot.path: slot.kind for slot in SLOTS} | {"eval": "eval"}
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):  # the longest slot the key lies in
+        slot = ".".join(parts[:depth])
+        if slot in slots:
+            rest = parts[depth:]
+            if not rest or rest == ["name"]:
+                return None
+            if slot == "eval" and rest[0].isdigit():
+                rest = rest[1:]
+            if len(rest) == 1 and _plugin_accepts(slots[slot], rest[0]):
+                return None
+            return f"no {slots[slot]} plugin takes `{'.'.join(rest)}`"
+    section, *rest = parts
+    schema = SECTIONS.get(section)
+    if schema is None:
+        return f"`{section}` is not a host section"
+    known = {f.name: f for f in fields(schema)}
+    if rest[0] not in known:
+        return f"`{rest[0]}` is not a setting of `{section}:` ({schema.__name__})"
+    if rest[:1] == ["distributed"] and len(rest) > 1:
+        if rest[1] not in {f.name for f in fields(DistributedConfig)} or len(rest) > 2:
+            return f"`{'.'.join(rest[1:])}` is not a setting of `train.distributed:`"
+        return None
+    if len(rest) > 1:  # a mapping's own keys (data.meta_keys.NAME, model.init.path): free-form
+        hint = typing.get_type_hints(schema)[rest[0]]
+        if hint not in (dict, typing.Any) and typing.get_origin(hint) is not dict:
+            return f"`{section}.{rest[0]}` is not a mapping"
+    return None
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _path_problems(where: str, span: str) -> list[str]:
+    token = span.split()[0] if span.split() else ""
+    if not token.startswith(tuple(f"{top}/" for top in TOP_FOLDERS)) or "<" in token:
+        return []
+    if "*" in token or "?" in token:
+        return [] if glob.glob(str(ROOT / token)) else [f"{where}: no path matches `{token}`"]
+    return [] if (ROOT / token).exists() else [f"{where}: path `{token}` does not exist"]
+
+
+def _command_problems(where: str, text: str) -> list[str]:
+    """Every ``clipkit ...`` command in ``text``: sub-commands, options and override keys."""
+    problems = []
+    for match in re.finditer(r"(?<![\w./-])(?<!from )(?<!import )clipkit (?=[-a-z])", text):
+        rest = re.split(r"\s(?:#|\||&&|;)|[\"'`)]", text[match.end() :])[0]
+        command = _cli()
+        name = "clipkit"
+        values = 0  # tokens still to skip: the values of the last option
+        for token in rest.split():
+            if values:
+                values -= 1
+                continue
+            if token in ("...", "…") or token.startswith("<"):
+                continue
+            if token.startswith("-"):
+                for option in token.split("=")[0].split("/"):  # `--task/--tasks`: both spellings
+                    if option.startswith("--") or re.fullmatch(r"-[A-Za-z]", option):
+                        if option not in _options(command):
+                            problems.append(f"{where}: `{name}` has no option `{option}`")
+                        elif "=" not in token:
+                            values = _options(command)[option]
+                continue
+            key = KEY_RE.match(token)
+            if key and "=" in token and name != "clipkit":
+                if key.group(1) in EXAMPLE_KEYS:
+                    continue
+                problem = recipe_key_problem(key.group(1))
+                if problem:
+                    problems.append(f"{where}: recipe key `{key.group(1)}` in `{name}`: {problem}")
+                continue
+            if hasattr(command, "commands"):  # a group: the token names a sub-command
+                if not re.fullmatch(r"[a-z][\w-]*", token):
+                    break  # a placeholder (COMMAND): nothing more to check
+                sub = command.commands.get(token)
+                if sub is None:
+                    problems.append(f"{where}: `{name}` has no command `{token}`")
+                    break
+                command, name = sub, f"{name} {token}"
+    return problems
+
+
+def _option_problems(where: str, span: str) -> list[str]:
+    token = span.split()[0].split("=")[0] if span.split() else ""
+    if not re.fullmatch(r"--[a-z][\w-]*", token):
+        return []
+    if token in _all_clipkit_options() | _script_options() | OTHER_TOOLS:
+        return []
+    return [f"{where}: no clipkit command or repository script takes `{token}`"]
+
+
+def _key_problems(where: str, span: str) -> list[str]:
+    if span.startswith("clipkit ") or "(" in span:
+        return []
+    problems = []
+    for token in span.split():
+        match = KEY_RE.match(token.rstrip(":,;."))
+        if not match:
+            continue
+        key = match.group(1)
+        if key in NOT_RECIPE_KEYS | EXAMPLE_KEYS or key.rsplit(".", 1)[-1] in FILE_SUFFIXES:
+            continue
+        problem = recipe_key_problem(key)
+        if problem:
+            problems.append(f"{where}: recipe key `{key}`: {problem}")
+    return problems
+
+
+def _all_problems() -> list[str]:
+    problems = []
+    for path, spans, code in _mentions():
+        for line, span in spans:
+            where = _where(path, line)
+            problems += _path_problems(where, span)
+            problems += _command_problems(where, span)
+            problems += _option_problems(where, span)
+            problems += _key_problems(where, span)
+        for line, text in code:
+            problems += _command_problems(_where(path, line), text)
+    return problems
+
+
+def test_every_path_command_option_and_recipe_key_the_docs_name_exists():
+    problems = _all_problems()
+    assert not problems, "the docs name what does not exist:\n" + "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- the checker itself
+
+
+@pytest.mark.parametrize(
+    "key", ["data.num_workers", "train.memory_check", "model.tokenizer", "train.distributed.local_loss"]
+)
+def test_host_settings_are_recipe_keys(key):
+    assert recipe_key_problem(key) is None
+
+
+@pytest.mark.parametrize("key", ["loss.temperature", "optimizer.lr", "loss.name", "data.meta_keys.age"])
+def test_plugin_arguments_and_mappings_are_recipe_keys(key):
+    assert recipe_key_problem(key) is None
+
+
+@pytest.mark.parametrize(
+    "key", ["data.num_worker", "train.distributed.stage", "loss.no_such_argument", "model.steps.x"]
+)
+def test_misspelt_keys_are_caught(key):
+    assert recipe_key_problem(key)
+
+
+def test_the_checker_catches_a_missing_path_command_option_and_key(tmp_path):
+    where = "doc.md:1"
+    assert _path_problems(where, "clipkit/train/runtime.py") == [
+        "doc.md:1: path `clipkit/train/runtime.py` does not exist"
+    ]
+    assert _path_problems(where, "clipkit/train/runtime/__init__.py") == []
+    assert _command_problems(where, "clipkit train clip --resume --run-dir RUN") == []
+    assert _command_problems(where, "clipkit --install-completion") == []
+    assert _command_problems(where, "clipkit --log-level info train clip --task/--tasks") == [
+        "doc.md:1: `clipkit train` has no option `--task`",
+        "doc.md:1: `clipkit train` has no option `--tasks`",
+    ]
+    assert _command_problems(where, "clipkit trian clip") == ["doc.md:1: `clipkit` has no command `trian`"]
+    assert _command_problems(where, "clipkit eval RUN/export --tsk retrieval") == [
+        "doc.md:1: `clipkit eval` has no option `--tsk`"
+    ]
+    assert _command_problems(where, "clipkit train clip data.num_worker=2") == [
+        "doc.md:1: recipe key `data.num_worker` in `clipkit train`: "
+        "`num_worker` is not a setting of `data:` (DataConfig)"
+    ]
+    assert _option_problems(where, "--overwrite") == []
+    assert _option_problems(where, "--overwrit") == [
+        "doc.md:1: no clipkit command or repository script takes `--overwrit`"
+    ]
