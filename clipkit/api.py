@@ -193,6 +193,7 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
         with handling_signals():  # SIGTERM/SIGINT: checkpoint after the step, then TrainingStopped
             metrics = train_loop(trainer, progress=progress)
         result = TrainResult(run_dir=Path(run_dir), metrics=metrics, is_main=trainer.runtime.is_main)
+        trainer.runtime.close()
         if section(recipe, "train").export and trainer.runtime.is_main:
             result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
             if recipe.get("eval"):

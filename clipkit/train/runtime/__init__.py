@@ -310,6 +310,15 @@ class Runtime:
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
 
+    def close(self) -> None:
+        """End this process's part of a launch once training is over: wait for every process, then
+        destroy the process group, so no process exits while its collectives' threads still run (a
+        rank was seen aborting at exit with "terminate called without an active exception"). What
+        follows training (export, evaluation) is local to the main process."""
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
+            torch.distributed.destroy_process_group()
+
 
 def launched_as_main() -> bool:
     """Whether this is process 0 of a launch (``RANK`` set by ``accelerate launch``/``torchrun``),
