@@ -385,7 +385,9 @@ def decode_for_eval(data: bytes, transform: ImageTransform, where: str) -> torch
     resampled by PIL's bicubic filter (not torch's uint8 kernel). The mode conversion is
     :func:`~clipkit.data.image_modes.to_rgb`. Raises :class:`DataError` naming ``where`` when the
     bytes do not decode."""
-    image = decoded(open_image(data, where), where, transform.background)
+    image = open_image(data, where)
+    # The orientation is read from the header, before decoding, as the loader does.
+    image = decoded(image, where, transform.background, exif_orientation(image))
     return transform.transform_rgb(image, random.Random(0))  # the eval transform draws nothing
 
 
