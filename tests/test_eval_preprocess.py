@@ -220,3 +220,47 @@ def test_open_clip_eval_preprocess_gives_identical_tensors():
     for image, size in cases:
         theirs = image_transform(size, is_train=False, mean=MEAN, std=STD)(image)
         assert torch.equal(eval_transform(size)(image, random.Random(0)), theirs), image.size
+
+
+# --- the same model through both paths ----------------------------------------------------------
+
+
+def test_zero_shot_gives_the_same_predictions_as_the_reference_pipeline(tmp_path, registry):
+    from conftest import SHARED_DATA
+
+    from clipkit.eval.evaluate import encode_images, image_text_logits, load_samples, run_evals, topk_accuracy
+    from clipkit.model import build_model
+    from clipkit.plugins.evals.zero_shot import ZeroShot
+    from clipkit.recipe import load_recipe, validate_or_raise
+
+    overrides = ["model.tokenizer.name=clip_bpe", "model.tokenizer.context_length=16"]
+    recipe = validate_or_raise(load_recipe("clip@tiny", overrides, registry=registry), registry)
+    torch.manual_seed(0)
+    model = build_model(recipe, registry).eval()
+    classes = ("cat", "dog", "bus")
+    images = [case_image(name) for name in CASES] + [
+        Image.open(p) for p in sorted(SHARED_DATA.glob("coco-*/images/*.jpg"))
+    ]
+    for i, image in enumerate(images):  # odd-sized JPEGs (and the real photos when present)
+        folder = tmp_path / "data" / classes[i % len(classes)]
+        folder.mkdir(parents=True, exist_ok=True)
+        image.convert("RGB").save(folder / f"{i:03d}.jpg", quality=90)
+    data = f"classes:{tmp_path / 'data'}"
+
+    task = ZeroShot(data=data)
+    samples, info = load_samples(data, registry=registry)
+    classnames, templates = task.prompts(info, samples)
+    labels = torch.tensor([task.class_index(sample, classnames) for sample in samples])
+    class_points = task.class_points(model, task.prompt_names(classnames), templates)
+    ours = image_text_logits(model, encode_images(model, samples), class_points)  # clipkit eval's path
+    size, mean, std = model.transform.image_size, model.transform.mean, model.transform.std
+    with torch.no_grad():
+        reference = torch.stack(
+            [torchvision_reference(Image.open(io.BytesIO(s.image)), size, mean, std) for s in samples]
+        )
+        theirs = image_text_logits(model, model.encode_image(reference).float(), class_points)
+
+    assert torch.equal(ours.argmax(dim=1), theirs.argmax(dim=1))  # every image's prediction
+    assert torch.equal(ours, theirs)
+    (result,) = run_evals(model, [{"name": "zero_shot", "data": data}], registry)
+    assert result["top1"] == topk_accuracy(theirs, labels, 1)
