@@ -2,7 +2,12 @@
 
 Training: random-resized-crop (area fraction in ``crop_scale``, aspect ratio in ``crop_ratio``,
 torchvision's sampling rule), optional horizontal flip and SimCLR's colour distortion.
-Evaluation: resize the shorter side to S, then centre-crop S × S (CLIP's eval preprocessing).
+Evaluation: resize the shorter side to S, then centre-crop S × S — pixel-identical to torchvision's
+``Resize(S, BICUBIC, antialias=True) + CenterCrop(S) + ToTensor() + Normalize`` on a PIL image
+(open_clip's and CLIP_benchmark's eval preprocessing): the same sizes (long side truncated), crop
+offsets (rounded), PIL resampling call and float32 arithmetic. ``clipkit eval`` decodes with
+:func:`decode_for_eval` (full size, PIL), ``clipkit.load``'s preprocess calls the transform on the
+PIL image; tests/test_eval_preprocess.py compares both with torchvision's own output.
 
 Every random choice comes from the ``random.Random`` the caller passes (one per sample, seeded
 from (seed, epoch, global index)), so augmentations are reproducible and independent of the
@@ -13,7 +18,8 @@ Two implementations share those choices (:meth:`ImageTransform.plan` draws them 
 :func:`decode_transformed` from encoded bytes for the loader (torch's uint8 bicubic resampling,
 JPEG draft decoding, one decode for both views; with the ``fastjpeg`` extra the JPEG is decoded
 by simplejpeg straight into numpy, DCT-scaled where the crop allows, :mod:`clipkit.data.decoders`;
-2-3x the images/s per core of a plain PIL loop, see docs/benchmarks.md).
+2-3x the images/s per core of a plain PIL loop, see docs/benchmarks.md). Evaluation never takes
+that path: its pixels must be the field's, not approximately so.
 """
 
 from __future__ import annotations
