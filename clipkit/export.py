@@ -80,6 +80,11 @@ def describe(recipe: dict, registry: Registry) -> dict[str, Any]:
         "preprocessing": {
             "image_size": model.image_size,
             "resize": "bicubic",
+            # The eval transform's rule, in open_clip's terms (its preprocess_cfg) and torchvision's.
+            "resize_mode": "shortest",
+            "crop": "center",
+            "equivalent": "torchvision Resize(image_size, BICUBIC, antialias=True) + CenterCrop(image_size) "
+            "+ ToTensor() + Normalize(mean, std) on a PIL RGB image",
             "mean": list(model.mean),
             "std": list(model.std),
         },

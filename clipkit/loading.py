@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 class Preprocess:
     """PIL image (any mode) -> [3, S, S] float32: resize the short side (bicubic), centre-crop,
-    normalise — the model's evaluation preprocessing. Deterministic: no random generator needed."""
+    normalise — the model's evaluation preprocessing, pixel-identical to torchvision's / open_clip's
+    ``Resize(S, BICUBIC) + CenterCrop(S) + ToTensor() + Normalize`` on the image converted to RGB
+    (clipkit's mode rule: :mod:`clipkit.data.image_modes`). Deterministic: no random generator needed."""
 
     def __init__(self, transform: ImageTransform) -> None:
         self.transform = transform

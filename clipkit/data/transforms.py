@@ -2,7 +2,12 @@
 
 Training: random-resized-crop (area fraction in ``crop_scale``, aspect ratio in ``crop_ratio``,
 torchvision's sampling rule), optional horizontal flip and SimCLR's colour distortion.
-Evaluation: resize the shorter side to S, then centre-crop S × S (CLIP's eval preprocessing).
+Evaluation: resize the shorter side to S, then centre-crop S × S — pixel-identical to torchvision's
+``Resize(S, BICUBIC, antialias=True) + CenterCrop(S) + ToTensor() + Normalize`` on a PIL image
+(open_clip's and CLIP_benchmark's eval preprocessing): the same sizes (long side truncated), crop
+offsets (rounded), PIL resampling call and float32 arithmetic. ``clipkit eval`` decodes with
+:func:`decode_for_eval` (full size, PIL), ``clipkit.load``'s preprocess calls the transform on the
+PIL image; tests/test_eval_preprocess.py compares both with torchvision's own output.
 
 Every random choice comes from the ``random.Random`` the caller passes (one per sample, seeded
 from (seed, epoch, global index)), so augmentations are reproducible and independent of the
@@ -13,7 +18,8 @@ Two implementations share those choices (:meth:`ImageTransform.plan` draws them 
 :func:`decode_transformed` from encoded bytes for the loader (torch's uint8 bicubic resampling,
 JPEG draft decoding, one decode for both views; with the ``fastjpeg`` extra the JPEG is decoded
 by simplejpeg straight into numpy, DCT-scaled where the crop allows, :mod:`clipkit.data.decoders`;
-2-3x the images/s per core of a plain PIL loop, see docs/benchmarks.md).
+2-3x the images/s per core of a plain PIL loop, see docs/benchmarks.md). Evaluation never takes
+that path: its pixels must be the field's, not approximately so.
 """
 
 from __future__ import annotations
@@ -75,7 +81,15 @@ class ImageTransform:
     def __call__(self, image, rng: random.Random) -> torch.Tensor:
         """PIL image (any mode) -> [3, S, S] float32, normalised by mean/std (PIL resampling: the
         reference path; :func:`decode_transformed` is the loader's faster path from bytes)."""
-        image = to_rgb(image, self.background)  # upright, transparency flattened
+        return self.transform_rgb(to_rgb(image, self.background), rng)  # upright, transparency flattened
+
+    def transform_rgb(self, image, rng: random.Random) -> torch.Tensor:
+        """Upright RGB PIL image -> [3, S, S] float32 (:meth:`__call__` after the mode conversion).
+
+        On the eval path (no random crop) this is torchvision's ``Resize(S, BICUBIC,
+        antialias=True) + CenterCrop(S) + ToTensor() + Normalize(mean, std)`` on a PIL image,
+        pixel for pixel: the same PIL resampling call, sizes and crop offsets
+        (:func:`center_crop_geometry`) and float32 operations."""
         view = self.plan(image.size, rng)
         image = image.resize(view.resized, BICUBIC, box=view.box)
         if view.crop is not None:
@@ -177,23 +191,45 @@ def center_crop_geometry(
     size: tuple[int, int], side: int
 ) -> tuple[tuple[int, int, int, int], tuple[int, int], tuple[int, int, int] | None]:
     """(box, resized, crop) of :func:`resize_center_crop`: the whole image resized so its shorter
-    side is ``side``, then the central side × side square."""
+    side is ``side`` (:func:`shorter_side_size`), then the central side × side square
+    (:func:`centred_offset`) — torchvision's ``Resize(side)`` + ``CenterCrop(side)`` geometry.
+
+    The resized image is never smaller than the crop (its shorter side is ``side`` and its longer
+    side ``int(side · long / short)`` >= ``side``), so torchvision's zero padding of a too-small
+    image never applies here: an image smaller than ``side`` is upsampled first."""
     width, height = size
-    if (width, height) == (side, side):
-        return (0, 0, width, height), (side, side), None
-    scale = side / min(width, height)
-    new_width, new_height = max(side, round(width * scale)), max(side, round(height * scale))
-    crop = ((new_width - side) // 2, (new_height - side) // 2, side)
+    new_width, new_height = shorter_side_size(size, side)
+    crop = None
+    if (new_width, new_height) != (side, side):
+        crop = (centred_offset(new_width, side), centred_offset(new_height, side), side)
     return (0, 0, width, height), (new_width, new_height), crop
+
+
+def shorter_side_size(size: tuple[int, int], side: int) -> tuple[int, int]:
+    """(width, height) with the shorter side ``side`` and the longer side ``int(side · long /
+    short)``: truncated, not rounded, and computed in that float order, as torchvision's resize
+    does for an int size (640 × 427 at 48 -> 71 × 48, not 72 × 48). A square image -> side × side."""
+    width, height = size
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(side * long / short)
+    return (side, new_long) if width <= height else (new_long, side)
+
+
+def centred_offset(length: int, side: int) -> int:
+    """Offset of a centred ``side`` window in ``length`` pixels: torchvision's CenterCrop rounds
+    half the slack with Python's round (half to even: 23 -> 12, 25 -> 12), it does not floor it."""
+    return int(round((length - side) / 2.0))
 
 
 def resize_center_crop(image, size: int):
     """Resize so the shorter side is ``size`` (bicubic), then crop the central size × size."""
     box, resized, crop = center_crop_geometry(image.size, size)
+    if resized != image.size:  # PIL would return a copy of an image already the right size
+        image = image.resize(resized, BICUBIC)
     if crop is None:
         return image
     left, top, side = crop
-    return image.resize(resized, BICUBIC).crop((left, top, left + side, top + side))
+    return image.crop((left, top, left + side, top + side))
 
 
 def random_resized_crop_box(
@@ -345,6 +381,22 @@ def decode_transformed(
     return [view.from_uint8(render(pixels, plan)) for view, plan in zip(views, plans, strict=True)]
 
 
+def decode_for_eval(data: bytes, transform: ImageTransform, where: str) -> torch.Tensor:
+    """Encoded image bytes -> [3, S, S] float32 by the eval transform, exactly as torchvision's
+    ``Resize(S, BICUBIC, antialias=True) + CenterCrop(S) + ToTensor() + Normalize`` on the image
+    PIL decodes (open_clip's and CLIP_benchmark's eval preprocessing).
+
+    Unlike :func:`decode_transformed` (the training loader's path) nothing is traded for speed:
+    the image is decoded at full size by PIL (no JPEG draft / DCT scaling, no other decoder) and
+    resampled by PIL's bicubic filter (not torch's uint8 kernel). The mode conversion is
+    :func:`~clipkit.data.image_modes.to_rgb`. Raises :class:`DataError` naming ``where`` when the
+    bytes do not decode."""
+    image = open_image(data, where)
+    # The orientation is read from the header, before decoding, as the loader does.
+    image = decoded(image, where, transform.background, exif_orientation(image))
+    return transform.transform_rgb(image, random.Random(0))  # the eval transform draws nothing
+
+
 def render_decoded(pixels, factor: int, views, plans: list[ViewPlan]) -> list[torch.Tensor]:
     """Every view from a decoder's [H', W', 3] uint8 array decoded at 1/``factor`` scale: by
     torch's uint8 resampler where the box maps onto whole reduced pixels (:func:`scaled_axis`),
@@ -451,7 +503,7 @@ def render(pixels, view: ViewPlan, factor: int = 1) -> torch.Tensor | None:
         return None
     (x0, x1, x_back), (y0, y1, y_back) = axes
     region = pixels[y0:y1, x0:x1]
-    region = region[::-1 if y_back else 1, ::-1 if x_back else 1]
+    region = region[:: -1 if y_back else 1, :: -1 if x_back else 1]
     left, top, right, bottom = view.box
     width, height = view.resized
     if factor > 1 or (right - left, bottom - top) != (width, height):
@@ -466,7 +518,7 @@ def render(pixels, view: ViewPlan, factor: int = 1) -> torch.Tensor | None:
             scales = (height * factor / (bottom - top), width * factor / (right - left))
             region = torch.ops.aten._upsample_bicubic2d_aa(region, [height, width], False, *scales)
         region = region[0].permute(1, 2, 0).numpy()  # [h, w, 3] view
-    region = region[::-1 if y_back else 1, ::-1 if x_back else 1]  # mirrored back (views)
+    region = region[:: -1 if y_back else 1, :: -1 if x_back else 1]  # mirrored back (views)
     if view.crop is not None:
         crop_left, crop_top, side = view.crop
         region = region[crop_top : crop_top + side, crop_left : crop_left + side]

@@ -8,7 +8,6 @@ can be evaluated. Random-feature similarities get a generator re-seeded with the
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from clipkit.data.shard import open_source
-from clipkit.data.transforms import decode_transformed
+from clipkit.data.transforms import decode_for_eval
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import ContrastiveModel, build_slot
 from clipkit.registry import Registry
@@ -63,14 +62,14 @@ def mean_and_std(runs: Sequence[dict[str, float]]) -> dict[str, float]:
 
 @torch.no_grad()
 def encode_images(model: ContrastiveModel, samples: Sequence[Sample], batch_size: int = 256) -> PointSet:
-    """Decode, preprocess (eval transform) and encode -> PointSet [len(samples), M_x, d] (fp32)."""
+    """Decode, preprocess (eval transform) and encode -> PointSet [len(samples), M_x, d] (fp32).
+
+    Preprocessing is :func:`~clipkit.data.transforms.decode_for_eval`: pixel-identical to
+    torchvision's / open_clip's eval transform on the PIL image (full-size decode, PIL bicubic)."""
     parts = []
-    rng = random.Random(0)  # the eval transform is deterministic; the rng is unused
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        images = torch.stack(
-            [decode_transformed(s.image, model.transform, rng, f"sample {s.key}")[0] for s in chunk]
-        )
+        images = torch.stack([decode_for_eval(s.image, model.transform, f"sample {s.key}") for s in chunk])
         parts.append(model.encode_image(images).float())
     return PointSet.cat(parts)
 
