@@ -19,7 +19,7 @@ from clipkit.errors import ClipkitError
 from clipkit.io import atomic_path, atomic_write_text
 
 #: Result keys that describe a task rather than measure it (never printed as metrics).
-DESCRIPTIVE = {"name", "data", "label", "dataset", "chance"}
+DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "chance_recall"}
 
 #: The result keys drawn as per-dataset bars.
 ACCURACY_KEYS = ("top1", "top5")
@@ -98,6 +98,9 @@ def format_value(result: dict, key: str) -> str:
     text = number(value) + (f" ± {number(std)}" if isinstance(std, float) else "")
     if key == "top1" and result.get("chance"):
         text += f" ({value / result['chance']:.1f}× chance)"
+    recall_chance = (result.get("chance_recall") or {}).get(key)  # retrieval: per-K chance, this gallery
+    if isinstance(recall_chance, float):
+        text += f" (chance {number(recall_chance)})"
     return text
 
 
