@@ -98,6 +98,14 @@ def test_a_table_without_a_caption_column_names_the_columns(tmp_path, name):
     assert sample.captions == ("a red square",)
 
 
+def test_a_table_whose_rows_are_all_skipped_says_why(tmp_path):
+    (image,) = images(tmp_path, 1)
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"image": image, "caption": "  "}) + "\n")
+    result = CliRunner().invoke(make_app(), ["shard", str(tmp_path / "blank.jsonl"), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "yielded no samples" in result.output
+    assert "1 empty_caption" in result.output and "strict=true" in result.output
+
+
 # --- shards and WebDataset tars --------------------------------------------------------------
 
 
