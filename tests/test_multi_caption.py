@@ -229,3 +229,20 @@ def test_the_trained_caption_is_a_function_of_seed_epoch_and_index_only(multi_ca
             assert drawn(directory, captions, epoch, **options) == reference, options
     per_sample = {i: {draw_caption("abcd", seed=7, epoch=e, index=i) for e in range(6)} for i in range(N)}
     assert all(len(seen) > 1 for seen in per_sample.values())
+
+
+def test_coco_mini_keeps_five_captions_and_training_draws_among_them(shared_data, tmp_path):
+    """Real multi-caption data (51 COCO photos x 5 captions): sharded with every caption, and each
+    epoch trains every photo on one of its own 5, drawn as draw_caption says."""
+    table = shared_data / "coco-mini-cc-by" / "captions.jsonl"
+    rows = [json.loads(line) for line in table.read_text(encoding="utf-8").splitlines() if line.strip()]
+    write_shards(open_source(str(table)), tmp_path / "coco", source=str(table), samples_per_shard=20)
+    stored = [s.captions for s in ShardSource(tmp_path / "coco")]
+    assert stored == [tuple(c.strip() for c in row["captions"]) for row in rows]
+    assert {len(captions) for captions in stored} == {5}
+    everything = sorted({caption for captions in stored for caption in captions})
+    for epoch in (0, 3):
+        seen = drawn(tmp_path / "coco", everything, epoch, shuffle_buffer=8)
+        assert len(seen) == 48  # 51 samples in batches of 4
+        for index, caption in seen.items():
+            assert caption == draw_caption(stored[index], seed=7, epoch=epoch, index=index)
