@@ -20,6 +20,7 @@ from clipkit.eval.evaluate import (
 )
 from clipkit.eval.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
 from clipkit.plugins.evals.retrieval import (
+    chance_curves,
     chance_recalls,
     positives_of,
     recall_curves,
@@ -145,9 +146,13 @@ def test_chance_recall_by_hand_and_equal_to_a_constant_scorer():
     uneven = torch.tensor([0, 1, 2, 2])
     assert chance_recalls(uneven, 3, [1])["i2t_R@1"] == pytest.approx(1 / 3)
     assert chance_recalls(uneven, 3, [2])["t2i_R@2"] == pytest.approx(2 / 3)
-    # A scorer that ties everything scores exactly chance, at every K.
+    # A scorer that ties everything scores exactly chance, at every K; the curves agree.
     ks = [1, 2, 3]
     assert recalls(torch.zeros(3, 4), uneven, ks) == pytest.approx(chance_recalls(uneven, 3, ks))
+    curves = chance_curves(uneven, 3, 3)
+    by_k = chance_recalls(uneven, 3, ks)
+    assert curves["chance_i2t"] == pytest.approx([by_k[f"i2t_R@{k}"] for k in ks])
+    assert curves["chance_t2i"] == pytest.approx([1 / 3, 2 / 3, 1.0])
 
 
 def test_retrieval_report_shows_the_chance_of_each_recall():

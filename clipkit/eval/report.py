@@ -182,7 +182,7 @@ def plot_accuracy_bars(results: Sequence[dict], path: Path) -> Path | None:
 
 
 def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
-    """Recall@K against K for both directions of every retrieval result."""
+    """Recall@K against K for both directions of every retrieval result (dotted grey: chance)."""
     rows = [r for r in results if r.get("name") == "retrieval" and r.get("curves")]
     if not rows:
         return None
@@ -192,6 +192,8 @@ def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
         curves = row["curves"]
         for direction, style in (("i2t", "-"), ("t2i", "--")):
             axes.plot(curves["k"], curves[direction], style, label=f"{task_label(row)} {direction}")
+            if curves.get(f"chance_{direction}"):  # retrieval's chance for this gallery, per K
+                axes.plot(curves["k"], curves[f"chance_{direction}"], ":", color="grey", linewidth=1)
     axes.set_xscale("log")
     axes.set_xlabel("K")
     axes.set_ylabel("Recall@K")

@@ -117,6 +117,14 @@ def chance_recalls(owner: torch.Tensor, n_images: int, ks: list[int]) -> dict[st
     return result
 
 
+def chance_curves(owner: torch.Tensor, n_images: int, k_max: int) -> dict[str, list[float]]:
+    """{"chance_i2t": [chance R@1..R@K], "chance_t2i": [...]}, K = 1..k_max (:func:`chance_recalls`)."""
+    ks = torch.arange(1, k_max + 1).unsqueeze(1)  # [K, 1] against [N] images
+    captions_per_image = torch.bincount(owner, minlength=n_images)
+    i2t = hit_probability(0, owner.numel(), captions_per_image, ks).mean(1)
+    return {"chance_i2t": i2t.tolist(), "chance_t2i": hit_probability(0, n_images, 1, ks).squeeze(1).tolist()}
+
+
 def recall_curves(
     logits: torch.Tensor, owner: torch.Tensor, max_k: int, ties: tuple | None = None
 ) -> dict[str, list[float]]:

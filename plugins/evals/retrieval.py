@@ -28,6 +28,7 @@ from clipkit.eval.evaluate import (
 
 from .recall import (  # noqa: F401 — re-exported: the recall maths is part of this task's interface
     QueryTies,
+    chance_curves,
     chance_recalls,
     mean_curves,
     positives_of,
@@ -83,8 +84,13 @@ class Retrieval:
             "feature_seeds": len(runs),
             **mean_and_std(runs),
             "chance_recall": chance_recalls(owner, len(samples), self.ks),
-            "curves": mean_curves(curves),
+            "curves": with_chance(mean_curves(curves), owner, len(samples)),
         }
+
+
+def with_chance(curves: dict[str, list], owner: torch.Tensor, n_images: int) -> dict[str, list]:
+    """The recall curves plus the chance level at each of their K (drawn dotted in the plot)."""
+    return {**curves, **chance_curves(owner, n_images, len(curves["k"]))}
 
 
 def distinct(values: Sequence[Hashable]) -> tuple[list[int], torch.Tensor]:
