@@ -194,6 +194,8 @@ def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
             axes.plot(curves["k"], curves[direction], style, label=f"{task_label(row)} {direction}")
             if curves.get(f"chance_{direction}"):  # retrieval's chance for this gallery, per K
                 axes.plot(curves["k"], curves[f"chance_{direction}"], ":", color="grey", linewidth=1)
+    if any(row["curves"].get("chance_i2t") for row in rows):
+        axes.set_title("Recall@K (dotted grey: chance for the gallery)", fontsize=9)
     axes.set_xscale("log")
     axes.set_xlabel("K")
     axes.set_ylabel("Recall@K")
