@@ -246,3 +246,12 @@ def test_coco_mini_keeps_five_captions_and_training_draws_among_them(shared_data
         assert len(seen) == 48  # 51 samples in batches of 4
         for index, caption in seen.items():
             assert caption == draw_caption(stored[index], seed=7, epoch=epoch, index=index)
+
+
+def test_a_jsonl_first_row_may_lack_a_named_meta_key(tmp_path):
+    """JSONL rows need not share every key: only the image and caption columns are required of
+    the first row (a named meta key absent there is simply absent from that sample)."""
+    first, second = images(tmp_path, 2)
+    rows = [{"image": first, "caption": "a"}, {"image": second, "caption": "b", "label": 2}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [s.meta for s in open_source(f"{tmp_path / 't.jsonl'}?meta=label")] == [{}, {"label": 2}]

@@ -337,8 +337,10 @@ class TableSource(FileSource):
 
     def check_header(self, header: list[str], what: str) -> None:
         """Fail early (not per row) when a named column is absent or the default ones are; ``header``:
-        the columns of the table (``what``: "header", or for JSONL "first row")."""
-        missing = [c for c in [self.image_column, *(self.caption_columns or []), *(self.meta_columns or [])]
+        the columns of the table (``what``: "header", or for JSONL "first row", where named meta
+        columns may be absent: JSONL rows need not all have every key)."""
+        meta = (self.meta_columns or []) if what == "header" else []
+        missing = [c for c in [self.image_column, *(self.caption_columns or []), *meta]
                    if c is not None and c not in header]  # fmt: skip
         if self.image_column is None and not any(c in header for c in DEFAULT_IMAGE_COLUMNS):
             missing.append(" or ".join(DEFAULT_IMAGE_COLUMNS))
@@ -355,8 +357,8 @@ class TableSource(FileSource):
             )
 
     def check_first_row(self) -> None:
-        """A JSONL table has no header: its first well-formed row is checked as one (rows may lack a
-        key the first one has; those are skipped and counted later)."""
+        """A JSONL table has no header: its first well-formed row is checked as one, for the image
+        and caption columns (a later row without them is skipped and counted)."""
         first = self.first_row()
         if first is not None:
             self.check_header(list(first), "first row")
