@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -18,7 +19,14 @@ from clipkit.eval.evaluate import (
     topk_accuracy,
 )
 from clipkit.eval.report import markdown_table, read_metrics, short_data_name, summarize, write_eval_report
-from clipkit.plugins.evals.retrieval import first_hit_ranks, recall_curves, recalls
+from clipkit.plugins.evals.retrieval import (
+    chance_curves,
+    chance_recalls,
+    positives_of,
+    recall_curves,
+    recalls,
+    retrieval_ties,
+)
 from clipkit.plugins.evals.zero_shot import ZeroShot
 
 SMOKE = ["train.steps=4", "train.log_every=2", "train.checkpoint_every=4", "data.num_workers=0"]
@@ -59,9 +67,9 @@ def test_recall_with_several_captions_per_image_by_hand():
     assert result["i2t_R@1"] == 0.5 and result["i2t_R@2"] == 1.0
     assert result["t2i_R@1"] == 0.5 and result["t2i_R@2"] == 1.0
     assert result["mean_recall"] == pytest.approx((0.5 + 1 + 0.5 + 1) / 4)
-    positives = owner.unsqueeze(0) == torch.arange(2).unsqueeze(1)
-    assert first_hit_ranks(logits, positives).tolist() == [2, 1]
-    assert first_hit_ranks(logits.t(), positives.t()).tolist() == [2, 1, 2, 1]
+    i2t, t2i = retrieval_ties(logits, owner)
+    assert i2t.expected_rank().tolist() == [2, 1]
+    assert t2i.expected_rank().tolist() == [2, 1, 2, 1]
     curves = recall_curves(logits, owner, 50)
     assert curves == {"k": [1, 2], "i2t": [0.5, 1.0], "t2i": [0.5, 1.0]}
 
@@ -80,18 +88,79 @@ def test_recall_against_a_naive_loop():
         assert result[f"t2i_R@{k}"] == pytest.approx(t2i / 20)
 
 
-def test_first_hit_ranks_equal_a_stable_sort_with_many_ties():
-    """The counting ranks equal the rank in a stable descending sort, ties and all."""
-    from clipkit.plugins.evals.retrieval import first_hit_ranks
+def naive_recall_over_tie_breaks(logits: torch.Tensor, positives: torch.Tensor, k: int) -> float:
+    """Mean hit rate at k over *every* order of the candidates that respects the scores (each
+    permutation of the columns used as the tie-breaker of a stable sort): the tie policy, by brute force."""
+    queries, candidates = logits.shape
+    hits, orders = 0.0, 0
+    for tie_breaker in itertools.permutations(range(candidates)):
+        permuted = logits[:, list(tie_breaker)]
+        order = torch.tensor(tie_breaker)[permuted.argsort(dim=1, descending=True, stable=True)]
+        hits += positives.gather(1, order[:, :k]).any(dim=1).float().sum().item()
+        orders += 1
+    return hits / (orders * queries)
 
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(20):
-        logits = torch.randint(0, 4, (9, 15), generator=generator).float()  # heavy ties
-        positives = torch.rand(9, 15, generator=generator) < 0.25
-        positives[torch.arange(9), torch.randint(0, 15, (9,), generator=generator)] = True
-        order = logits.argsort(dim=1, descending=True, stable=True)
-        expected = positives.gather(1, order).float().argmax(dim=1) + 1
-        assert torch.equal(first_hit_ranks(logits, positives), expected)
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tied_recall_is_the_mean_over_every_tie_break(seed):
+    """Heavy ties (scores in {0, 1, 2}), several captions per image: both directions equal the
+    brute-force average over all tie-breaking orders, at every K."""
+    generator = torch.Generator().manual_seed(seed)
+    n_images, n_texts = 4, 6
+    owner = torch.cat([torch.arange(n_images), torch.randint(0, n_images, (2,), generator=generator)])
+    logits = torch.randint(0, 3, (n_images, n_texts), generator=generator).float()
+    positives = positives_of(owner, n_images)
+    for k in range(1, n_texts + 1):
+        result = recalls(logits, owner, [k])
+        assert result[f"i2t_R@{k}"] == pytest.approx(naive_recall_over_tie_breaks(logits, positives, k))
+        if k <= n_images:
+            expected = naive_recall_over_tie_breaks(logits.t(), positives.t(), k)
+            assert result[f"t2i_R@{k}"] == pytest.approx(expected)
+
+
+def test_duplicate_captions_tie_instead_of_going_to_the_first_listed():
+    """Images 0 and 1 share the caption "a dog" (identical scores); image 2 has its own caption."""
+    owner = torch.tensor([0, 1, 2])
+    logits = torch.tensor([[0.9, 0.9, 0.1], [0.8, 0.8, 0.2], [0.1, 0.1, 0.7]])
+    result = recalls(logits, owner, [1, 2])
+    # Images 0 and 1: their caption ties with the other's copy -> a hit at 1 with probability 1/2.
+    assert result["i2t_R@1"] == pytest.approx((0.5 + 0.5 + 1) / 3)
+    assert result["i2t_R@2"] == 1.0
+    i2t, _ = retrieval_ties(logits, owner)
+    assert i2t.expected_rank().tolist() == [1.5, 1.5, 1.0]
+    # Ranked in candidate order, image 0 would get R@1 = 1 and image 1 R@1 = 0: the same mean here,
+    # but the policy must not depend on the order: swapping the two copies changes nothing.
+    swapped = recalls(logits[:, [1, 0, 2]], owner[[1, 0, 2]], [1, 2])
+    assert swapped == result
+
+
+def test_chance_recall_by_hand_and_equal_to_a_constant_scorer():
+    # 2 images x 5 captions: an image->text query hits at 1 with 5/10, at 5 unless all 5 slots
+    # go to the other image's captions: 1 - C(5,5)/C(10,5) = 1 - 1/252.
+    owner = torch.arange(2).repeat_interleave(5)
+    chance = chance_recalls(owner, 2, [1, 5])
+    assert chance["i2t_R@1"] == pytest.approx(0.5)
+    assert chance["i2t_R@5"] == pytest.approx(1 - 1 / 252)
+    assert chance["t2i_R@1"] == pytest.approx(0.5) and chance["t2i_R@5"] == 1.0
+    # Uneven captions: 3 images with 1, 1, 2 captions (4 texts), K = 1: (1/4 + 1/4 + 2/4) / 3.
+    uneven = torch.tensor([0, 1, 2, 2])
+    assert chance_recalls(uneven, 3, [1])["i2t_R@1"] == pytest.approx(1 / 3)
+    assert chance_recalls(uneven, 3, [2])["t2i_R@2"] == pytest.approx(2 / 3)
+    # A scorer that ties everything scores exactly chance, at every K; the curves agree.
+    ks = [1, 2, 3]
+    assert recalls(torch.zeros(3, 4), uneven, ks) == pytest.approx(chance_recalls(uneven, 3, ks))
+    curves = chance_curves(uneven, 3, 3)
+    by_k = chance_recalls(uneven, 3, ks)
+    assert curves["chance_i2t"] == pytest.approx([by_k[f"i2t_R@{k}"] for k in ks])
+    assert curves["chance_t2i"] == pytest.approx([1 / 3, 2 / 3, 1.0])
+
+
+def test_retrieval_report_shows_the_chance_of_each_recall():
+    result = {"name": "retrieval", "data": "d", "i2t_R@1": 0.25, "mean_recall": 0.3,
+              "chance_recall": {"i2t_R@1": 0.02, "mean_recall": 0.05}}  # fmt: skip
+    text = markdown_table({"export": "e", "results": [result]})
+    assert "| retrieval d | i2t_R@1 | 0.2500 (chance 0.0200) |" in text
+    assert "| mean_recall | 0.3000 (chance 0.0500) |" in text
 
 
 def test_mean_and_std_over_seeds():

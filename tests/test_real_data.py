@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from clipkit import api
 from clipkit.data.shard import verify_shards
 
@@ -31,3 +33,9 @@ def test_shard_coco_mini_train_on_it_and_evaluate_retrieval(shared_data, in_tmp,
     for direction in ("i2t", "t2i"):
         recalls = [task[f"{direction}_R@{k}"] for k in (1, 5, 10)]
         assert recalls == sorted(recalls) and recalls[0] >= 0.0 and recalls[-1] <= 1.0
+    # Chance for this gallery: a caption finds its image among 51 with K/51; an image has 5 of the
+    # 255 captions, so it misses at K = 5 only if all 5 slots go to the other 250.
+    chance = task["chance_recall"]
+    assert chance["t2i_R@1"] == pytest.approx(1 / 51) and chance["t2i_R@10"] == pytest.approx(10 / 51)
+    assert chance["i2t_R@5"] == pytest.approx(1 - math.comb(250, 5) / math.comb(255, 5))
+    assert task["n_distinct_texts"] == len({c.strip() for row in rows for c in row["captions"]})

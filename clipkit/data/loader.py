@@ -36,6 +36,7 @@ import torch
 import torch.utils.data
 
 from clipkit.errors import DataError
+from clipkit.data.captions import draw_caption
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.transforms import ImageTransform, decode_transformed
 
@@ -217,7 +218,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         nothing is held out), meta {name: list}."""
         samples = [decode_record(record, "shards") for record in records]
         rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
-        # One decode per sample for all its views; each sample's rng draws view 1, view 2, caption.
+        # One decode per sample for all its views; each sample's rng draws view 1, then view 2.
         transforms = [self.transform] * self.views
         views = [
             decode_transformed(s.image, transforms, rng, f"sample {s.meta['index']} ({s.key})")
@@ -238,9 +239,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
                         f"sample {sample.meta['index']} ({sample.key}) has no caption, but the recipe has a "
                         "text tower: shard an image-caption source (label-only sets are for evaluation)"
                     )
-            # One caption per sample per epoch, chosen reproducibly among the sample's captions.
+            # One caption per sample per epoch: a pure function of (seed, epoch, global index).
             batch["text"] = self.tokenizer(
-                [rng.choice(s.captions) for s, rng in zip(samples, rngs, strict=True)]
+                [draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=int(s.meta["index"]))
+                 for s in samples]  # fmt: skip
             )
         return batch
 

@@ -4,6 +4,8 @@ A shard set is a directory of WebDataset tars ``shard-NNNNNN.tar`` plus ``manife
 :mod:`clipkit.data.shard_writer` writes them (resumably, atomically). Each sample is stored under
 key = its global index (zero-padded) with fields ``<image_ext>`` (the image bytes as given),
 ``txt`` (the first caption, if any) and ``json`` (``{"index", "key", "captions", "meta"}``).
+Reading a record back, the json's ``captions`` win; without them the ``txt`` field is read, one
+caption or a JSON list of several (:mod:`clipkit.data.captions`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from clipkit import __version__
+from clipkit.data.captions import record_captions
 from clipkit.errors import ClipkitError, DataError
 from clipkit.types import Sample
 
@@ -130,13 +133,14 @@ def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
     try:
         meta = json.loads(record["json"])
         image_ext = next(ext for ext in ("png", "jpg", "jpeg", "webp", "bmp") if ext in record)
-    except (KeyError, StopIteration, json.JSONDecodeError) as error:
+        captions = record_captions(meta, record.get("txt"))
+    except (KeyError, StopIteration, ValueError) as error:  # ValueError: bad JSON, non-UTF-8 txt
         raise DataError(f"{where}: sample {key!r} lacks an image or a valid json field ({error})") from error
     return Sample(
         key=str(meta.get("key", key)),
         image=record[image_ext],
         image_ext=image_ext,
-        captions=tuple(meta.get("captions") or ()),
+        captions=captions,
         # The global index wins over a source column named "index" (pandas exports have one).
         meta={**(meta.get("meta") or {}), "index": meta.get("index")},
     )

@@ -73,6 +73,16 @@ def parse_size(text: str | int | None) -> int | None:
         raise ClipkitError(f"cannot read the size {text!r}: use e.g. 500MB, 1GiB or bytes") from None
 
 
+def skip_summary(info: dict[str, Any]) -> str:
+    """`` (every row skipped: 3 empty_caption, ...; -o strict=true stops at the first with its
+    reason)`` from a source's ``info()["skipped"]``, or "" when nothing was skipped."""
+    skipped = info.get("skipped") or {}
+    if not skipped:
+        return ""
+    counts = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+    return f" (every row skipped: {counts}; -o strict=true stops at the first one, naming it)"
+
+
 def partial_directory(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".partial")
 
@@ -289,7 +299,10 @@ class ResumableWriter:
             info = {**info, **samples.info()}
         if self.written == 0:
             shutil.rmtree(self.partial, ignore_errors=True)
-            raise DataError(f"source {self.source!r} yielded no samples; nothing written to {self.out_dir}")
+            why = skip_summary(info)
+            raise DataError(
+                f"source {self.source!r} yielded no samples{why}; nothing written to {self.out_dir}"
+            )
         return self.complete(info)
 
     def resumed_iterator(self, samples: Iterable[Sample]) -> Iterator[Sample]:

@@ -19,7 +19,7 @@ from clipkit.errors import ClipkitError
 from clipkit.io import atomic_path, atomic_write_text
 
 #: Result keys that describe a task rather than measure it (never printed as metrics).
-DESCRIPTIVE = {"name", "data", "label", "dataset", "chance"}
+DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "chance_recall"}
 
 #: The result keys drawn as per-dataset bars.
 ACCURACY_KEYS = ("top1", "top5")
@@ -98,6 +98,9 @@ def format_value(result: dict, key: str) -> str:
     text = number(value) + (f" ± {number(std)}" if isinstance(std, float) else "")
     if key == "top1" and result.get("chance"):
         text += f" ({value / result['chance']:.1f}× chance)"
+    recall_chance = (result.get("chance_recall") or {}).get(key)  # retrieval: per-K chance, this gallery
+    if isinstance(recall_chance, float):
+        text += f" (chance {number(recall_chance)})"
     return text
 
 
@@ -179,7 +182,7 @@ def plot_accuracy_bars(results: Sequence[dict], path: Path) -> Path | None:
 
 
 def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
-    """Recall@K against K for both directions of every retrieval result."""
+    """Recall@K against K for both directions of every retrieval result (dotted grey: chance)."""
     rows = [r for r in results if r.get("name") == "retrieval" and r.get("curves")]
     if not rows:
         return None
@@ -189,6 +192,10 @@ def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
         curves = row["curves"]
         for direction, style in (("i2t", "-"), ("t2i", "--")):
             axes.plot(curves["k"], curves[direction], style, label=f"{task_label(row)} {direction}")
+            if curves.get(f"chance_{direction}"):  # retrieval's chance for this gallery, per K
+                axes.plot(curves["k"], curves[f"chance_{direction}"], ":", color="grey", linewidth=1)
+    if any(row["curves"].get("chance_i2t") for row in rows):
+        axes.set_title("Recall@K (dotted grey: chance for the gallery)", fontsize=9)
     axes.set_xscale("log")
     axes.set_xlabel("K")
     axes.set_ylabel("Recall@K")

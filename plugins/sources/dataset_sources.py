@@ -25,9 +25,10 @@ URIs (all ``trylast``, so a third-party ``open_source`` can take any of them ove
   ``Sample.key`` keeps the shards' own ``__key__``. Shards are streamed; one that ends early (cut
   short, corrupt) counts a ``bad_shard`` for the sample it was in and keeps those before it.
   Image from the ``png``/``jpg``/``jpeg``/``webp``/``bmp`` field; captions from ``txt`` (or
-  ``caption``), or from a ``captions`` list in ``json`` (which wins: clipkit's own shards
-  repeat only the first caption in ``txt``); meta = ``json``'s scalar fields plus ``cls`` (an
-  integer, as ``label``). A sample with no caption field gets no captions (label-only eval sets).
+  ``caption``: one caption, or a JSON list of several), or from a ``captions`` list in ``json``
+  (which wins: clipkit's own shards repeat only the first caption in ``txt``); meta =
+  ``json``'s scalar fields plus ``cls`` (an integer, as ``label``). A sample with no caption
+  field gets no captions (label-only eval sets).
 * ``idx:PATH/t10k-images-idx3-ubyte[.gz][?labels=PATH]`` (or that path bare): MNIST-style idx files,
   gzipped or raw; the labels file is found by name (``-images-idx3-ubyte`` ->
   ``-labels-idx1-ubyte``) unless given. Each image becomes a lossless grayscale PNG with meta
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clipkit.data.captions import captions_from_text
 from clipkit.errors import DataError
 from clipkit.types import Sample
 
@@ -139,7 +141,7 @@ def record_parts(fields: Mapping[str, bytes | Path], where: str) -> tuple[bytes 
     captions: list[Any] | None = None
     name = next((name for name in CAPTION_FIELDS if name in fields), None)
     if name is not None:
-        captions = [field_text(fields[name], f"{where}.{name}")]
+        captions = captions_from_text(field_text(fields[name], f"{where}.{name}"))  # one, or a JSON list
     meta: dict[str, Any] = {}
     if "json" in fields:
         meta = json_object(field_text(fields["json"], f"{where}.json"), f"{where}.json")

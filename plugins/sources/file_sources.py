@@ -6,9 +6,10 @@ URIs (all ``trylast``, so a third-party ``open_source`` can take any of them ove
   [``?image=COL&caption=COL1,COL2&meta=COL3,COL4``]: one row per image (parquet is read a batch at a
   time with pyarrow, and its image cells may hold the encoded image itself, see
   :mod:`clipkit.plugins.sources.dataset_sources`). Defaults: the image column is the first of ``image``,
-  ``file``, ``path``, ``url``; the caption columns are those of ``caption``, ``captions`` present
-  (a string, or in JSONL a list of strings, so COCO's 5 captions per image stay together); meta is
-  every other scalar column.
+  ``file``, ``path``, ``url``; the caption columns are those of ``caption``, ``captions`` and
+  ``caption_0`` .. ``caption_k`` present (a string, or a list of strings, so COCO's 5 captions per
+  image stay together), else the first of ``text``, ``txt``, ``TEXT``; a table with none of them is
+  refused naming its columns; meta is every other scalar column.
   Image paths are relative to the table's directory (absolute paths are kept). Key = data row number.
   ``http(s)://`` cells are downloaded (:mod:`clipkit.data.download`; options ``timeout``, ``retries``,
   ``backoff``, ``retry_after_cap``, ``per_host``, ``min_interval``, ``max_bytes``, ``user_agent``);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,12 @@ TABLE_DELIMITERS = {".jsonl": None, ".csv": ",", ".tsv": "\t"}
 TABLE_SUFFIXES = (*TABLE_DELIMITERS, ".parquet")
 DEFAULT_IMAGE_COLUMNS = ("image", "file", "path", "url")  # "url": img2dataset's input tables
 DEFAULT_CAPTION_COLUMNS = ("caption", "captions")
+#: Numbered caption columns (``caption_0`` .. ``caption_k``), also taken by default, in numeric order.
+NUMBERED_CAPTION_COLUMN = re.compile(r"caption_(\d+)")
+#: Caption columns of other tools, used when a table has none of the above: the first present.
+#: "text": DataComp, Hugging Face datasets; "txt": WebDataset field name; "TEXT": LAION's parquet.
+CAPTION_ALIASES = ("text", "txt", "TEXT")
+EXPECTED_CAPTION_COLUMNS = "caption, captions, caption_0 .. caption_k, or else " + " / ".join(CAPTION_ALIASES)
 TABLE_QUERY_KEYS = ("image", "caption", "meta")
 
 
@@ -78,6 +85,17 @@ def table_columns(uri: str, query: str, options: dict[str, Any]) -> dict[str, An
             chosen[key] = [column for column in chosen[key].split(",") if column]
     return {"image_column": chosen.get("image"), "caption_columns": chosen.get("caption"),
             "meta_columns": chosen.get("meta")}  # fmt: skip
+
+
+def default_caption_columns(columns) -> list[str]:
+    """The caption columns of a table that names none: those of ``caption``, ``captions`` and
+    ``caption_0`` .. ``caption_k`` present (numbered ones in numeric order), else the first of
+    :data:`CAPTION_ALIASES` present; [] when there is none."""
+    numbered = [c for c in columns if NUMBERED_CAPTION_COLUMN.fullmatch(c)]
+    found = [c for c in DEFAULT_CAPTION_COLUMNS if c in columns]
+    found += sorted(numbered, key=lambda column: int(column.split("_", 1)[1]))
+    alias = next((c for c in CAPTION_ALIASES if c in columns), None)
+    return found or ([alias] if alias else [])
 
 
 def parse_scalar(text: str) -> int | float | str:
@@ -135,8 +153,13 @@ class TableSource(FileSource):
         self.delimiter = TABLE_DELIMITERS.get(self.path.suffix.lower())
         self.image_column, self.caption_columns = image_column, caption_columns
         self.meta_columns = meta_columns
+        #: The default caption columns of a table with a header (CSV/TSV/parquet); None for JSONL,
+        #: whose rows each have their own keys.
+        self.header_captions: list[str] | None = None
         if self.parquet or self.delimiter is not None:
-            self.check_header()
+            self.check_header(self.header_columns(), "header")
+        else:
+            self.check_first_row()
         if resize is not None and int(resize) < 1:
             raise DataError(f"{self.path}: resize must be >= 1, got {resize}")
         self.download, self.resize = download or Downloader(), resize
@@ -175,24 +198,34 @@ class TableSource(FileSource):
         image_column = self.image_column or next((c for c in DEFAULT_IMAGE_COLUMNS if c in parsed), None)
         return image_column, parsed.get(image_column) if image_column else None
 
+    def first_row(self) -> dict[str, Any] | None:
+        """The first well-formed row (None when there is none)."""
+        rows = self.rows()
+        try:
+            return next((p for _, p in rows if not isinstance(p, BadRow)), None)
+        finally:
+            rows.close()
+
     def first_image_is_url(self) -> bool:
         """Whether the first well-formed row's image cell is an http(s) URL."""
         from clipkit.data.download import is_url
 
-        rows = self.rows()
-        try:
-            parsed = next((p for _, p in rows if not isinstance(p, BadRow)), None)
-        finally:
-            rows.close()
+        parsed = self.first_row()
         cell = self.image_cell(parsed)[1] if parsed is not None else None
         return isinstance(cell, str) and is_url(cell)
+
+    def caption_columns_of(self, parsed: dict[str, Any]) -> list[str]:
+        """The caption columns of a row: those named, else the table's (or the row's) defaults."""
+        if self.caption_columns:
+            return self.caption_columns
+        return self.header_captions if self.header_captions is not None else default_caption_columns(parsed)
 
     def build(self, row_index: int, where: str, parsed: dict[str, Any] | BadRow) -> Sample:
         if isinstance(parsed, BadRow):
             raise parsed
         image_column, cell = self.image_cell(parsed)
         reference = self.image_reference(cell, image_column, where)
-        caption_columns = self.caption_columns or [c for c in DEFAULT_CAPTION_COLUMNS if c in parsed]
+        caption_columns = self.caption_columns_of(parsed)
         values = [v for column in caption_columns for v in self.caption_values(parsed.get(column))]
         captions = clean_captions(values, where, self.max_caption_chars)
         used = {image_column, *caption_columns}
@@ -260,7 +293,7 @@ class TableSource(FileSource):
 
         columns = None
         if self.meta_columns is not None:
-            captions = self.caption_columns or DEFAULT_CAPTION_COLUMNS
+            captions = self.caption_columns or self.header_captions or DEFAULT_CAPTION_COLUMNS
             used = {self.image_column, *DEFAULT_IMAGE_COLUMNS, *captions, *self.meta_columns}
             columns = [column for column in self.header_columns() if column in used]
         for row, record in parquet_records(self.path, columns):
@@ -302,17 +335,33 @@ class TableSource(FileSource):
         with self.open_text() as stream:
             return next(csv.reader(stream, delimiter=self.delimiter), [])
 
-    def check_header(self) -> None:
-        """Fail early (not per row) when a named column is absent or the default ones are."""
-        header = self.header_columns()
-        missing = [c for c in [self.image_column, *(self.caption_columns or []), *(self.meta_columns or [])]
+    def check_header(self, header: list[str], what: str) -> None:
+        """Fail early (not per row) when a named column is absent or the default ones are; ``header``:
+        the columns of the table (``what``: "header", or for JSONL "first row", where named meta
+        columns may be absent: JSONL rows need not all have every key)."""
+        meta = (self.meta_columns or []) if what == "header" else []
+        missing = [c for c in [self.image_column, *(self.caption_columns or []), *meta]
                    if c is not None and c not in header]  # fmt: skip
         if self.image_column is None and not any(c in header for c in DEFAULT_IMAGE_COLUMNS):
             missing.append(" or ".join(DEFAULT_IMAGE_COLUMNS))
-        if self.caption_columns is None and not any(c in header for c in DEFAULT_CAPTION_COLUMNS):
-            missing.append(" or ".join(DEFAULT_CAPTION_COLUMNS))
+        if not self.caption_columns:
+            captions = default_caption_columns(header)
+            if not captions:
+                missing.append(f"a caption column ({EXPECTED_CAPTION_COLUMNS})")
+            if what == "header":
+                self.header_captions = captions
         if missing:
-            raise DataError(f"{self.path}: missing column(s) {', '.join(missing)}; header is {header}")
+            raise DataError(
+                f"{self.path}: missing column(s) {'; '.join(missing)}; the {what} has {header}. Name the "
+                "columns to use with PATH?image=COL&caption=COL1,COL2 (or -o image=COL -o caption=COL)"
+            )
+
+    def check_first_row(self) -> None:
+        """A JSONL table has no header: its first well-formed row is checked as one, for the image
+        and caption columns (a later row without them is skipped and counted)."""
+        first = self.first_row()
+        if first is not None:
+            self.check_header(list(first), "first row")
 
     def delimited_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
         with self.open_text() as stream:
@@ -341,7 +390,7 @@ class TableSource(FileSource):
         except BadRow as bad:
             return bad
         # Captions and image paths stay strings ("42" is a caption, not a number); meta is parsed.
-        text_columns = {*(self.caption_columns or DEFAULT_CAPTION_COLUMNS), *DEFAULT_IMAGE_COLUMNS}
+        text_columns = {*(self.caption_columns or self.header_captions or ()), *DEFAULT_IMAGE_COLUMNS}
         text_columns.add(self.image_column)
         return {
             column: cell if column in text_columns else parse_scalar(cell)
