@@ -125,18 +125,25 @@ class ShardSource:
 
 
 def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
-    """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded)."""
+    """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded). Shards
+    from elsewhere (open_clip / img2dataset style) may lack the json: the caption is then ``txt``
+    and the sample has no stored index (:mod:`clipkit.data.shard_sets` numbers it)."""
     key = record.get("__key__", "?")
     try:
-        meta = json.loads(record["json"])
+        meta = json.loads(record["json"]) if "json" in record else {}
         image_ext = next(ext for ext in ("png", "jpg", "jpeg", "webp", "bmp") if ext in record)
-    except (KeyError, StopIteration, json.JSONDecodeError) as error:
+    except (StopIteration, json.JSONDecodeError) as error:
         raise DataError(f"{where}: sample {key!r} lacks an image or a valid json field ({error})") from error
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: sample {key!r}: its json is not an object")
+    captions = meta.get("captions")
+    if captions is None and "txt" in record:
+        captions = [record["txt"].decode("utf-8", "replace")]
     return Sample(
         key=str(meta.get("key", key)),
         image=record[image_ext],
         image_ext=image_ext,
-        captions=tuple(meta.get("captions") or ()),
+        captions=tuple(captions or ()),
         # The global index wins over a source column named "index" (pandas exports have one).
         meta={**(meta.get("meta") or {}), "index": meta.get("index")},
     )
