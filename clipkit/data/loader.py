@@ -29,7 +29,6 @@ import itertools
 import json
 import random
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +133,7 @@ def read_segments(segments, holdout: float = 0.0, policy: ReadPolicy | None = No
         except ShardUnavailable as error:
             if policy.on_error == "raise":
                 raise DataError(f"shard {error} (data.on_error: raise)") from None
-            faults.append((error.reason, redact(segment.url)))
-            warnings.warn(f"data: skipped shard {error}", stacklevel=2)
+            faults.append((error.reason, redact(segment.url)))  # reported by BatchStream
         finally:
             records.close()  # stop reading the tar (and close it) past the segment
     return produced
