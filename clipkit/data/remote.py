@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from clipkit import __version__
+from clipkit import __version__, install_hint
 from clipkit.errors import ClipkitError
 
 HTTP_SCHEMES = ("http", "https")
@@ -106,7 +106,7 @@ def fsspec_filesystem(url: str):
     scheme = scheme_of(url)
     package = FSSPEC_PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
     extra = EXTRAS.get(package)
-    how = f'pip install "clipkit-contrastive[{extra}]" (or pip install {package})' if extra else f"pip install {package}"
+    how = f"{install_hint(extra)} (or pip install {package})" if extra else f"pip install {package}"
     try:
         import fsspec
     except ImportError:
