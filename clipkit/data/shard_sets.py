@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipkit.data.remote import Patience, ShardUnavailable, check_url, read_small, redact, scheme_of
+from clipkit.data.remote import FSSPEC_PACKAGES, Patience, ShardUnavailable, check_url, read_small, redact, scheme_of
 from clipkit.errors import DataError
 
 MANIFEST, SIZES = "manifest.json", "sizes.json"
@@ -77,10 +77,22 @@ def is_streamed(spec: str) -> bool:
     of clipkit's own source URIs such as ``synthetic://`` and ``webdataset:``)."""
     scheme = scheme_of(spec)
     if scheme:
-        return scheme not in OWN_SCHEMES
+        return scheme not in OWN_SCHEMES and is_shard_scheme(scheme)
     if OWN_PREFIX.match(spec):
         return False
     return bool(BRACES.search(spec)) or spec.endswith(".tar")
+
+
+def is_shard_scheme(scheme: str) -> bool:
+    """http(s), pipe, file, and every protocol fsspec knows (installed or not: a missing package
+    is then named); other schemes belong to data-source plugins."""
+    if scheme in ("http", "https", "pipe", "file") or scheme in FSSPEC_PACKAGES:
+        return True
+    try:
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return False
+    return scheme in known_implementations
 
 
 def is_tar_folder(spec: str) -> bool:
