@@ -243,3 +243,11 @@ def test_training_streamed_from_http_and_a_mixture_resumes_bit_identically(shard
         assert_same_weights(newest(stopped), newest(full))
         logged = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
         assert any(key.startswith("data/samples/") for key in logged), logged
+
+
+def test_evaluation_reads_a_streamed_set_in_place(shards, server):
+    from clipkit.data.shard import ShardSource, open_source
+
+    streamed = list(open_source(f"{server.url}/shapes/{BRACES}"))
+    local = list(ShardSource(shards))
+    assert [(s.key, s.image, s.captions) for s in streamed] == [(s.key, s.image, s.captions) for s in local]

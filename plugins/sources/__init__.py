@@ -29,11 +29,11 @@ def open_source(uri, options):
         return synthetic
     if "://" not in uri and (Path(uri) / MANIFEST).is_file():
         return ShardSource(uri)
+    dataset = open_dataset_source(uri, options)
+    if dataset is not None:
+        return dataset
     from clipkit.data.shard_sets import StreamedShardSource, is_streamed, is_tar_folder
 
     if is_streamed(uri) or is_tar_folder(uri):  # URLs, brace lists, pipe:, s3:// ...: read in place
         return StreamedShardSource(uri)
-    dataset = open_dataset_source(uri, options)
-    if dataset is not None:
-        return dataset
     return open_file_source(uri, options)
