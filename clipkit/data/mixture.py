@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from clipkit.data.loader import EpochPlan, ReadPolicy, Segment, fault_summary, read_segments
+from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, fault_summary, read_segments
 from clipkit.data.shard_sets import ShardSet
 from clipkit.errors import DataError
 
