@@ -10,12 +10,14 @@ processes, so what is counted is the loader's decoding plus its transport client
 Wall time is given too. The table gives the median (min–max) img/s over rounds and the per-round
 ratio to local disk. Goal: streamed ≥ 0.9× local per core.
 
-    python benchmarks/stream.py [--data DIR_OR_TABLE] [--rounds 5] [--batches 8] [--batch-size 32]
+    python benchmarks/stream.py [--data SOURCE] [--rounds 5] [--batches 8] [--batch-size 32]
+        [--rows 1024] [--per-shard 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -38,8 +40,18 @@ COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-mini-cc-b
 SYNTHETIC = "synthetic://shapes?n=2048&split=train&image_size=224"
 
 
-def make_shards(data: str, out: Path) -> Path:
-    api.shard(data, out, samples_per_shard=8)
+def make_shards(data: str, out: Path, rows: int, per_shard: int) -> Path:
+    """Shards of ``data``; a JSONL table's rows are repeated to ``rows`` (image paths made
+    absolute), so the shards have a realistic size without a large download."""
+    if data.endswith(".jsonl"):
+        table = Path(data)
+        lines = [json.loads(line) for line in table.read_text().splitlines() if line.strip()]
+        for line in lines:
+            line["image"] = str((table.parent / line["image"]).resolve())
+        repeated = out.parent / "repeated.jsonl"
+        repeated.write_text("".join(json.dumps(lines[i % len(lines)]) + "\n" for i in range(rows)))
+        data = str(repeated)
+    api.shard(data, out, samples_per_shard=per_shard)
     return out
 
 
@@ -68,12 +80,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=1024, help="a table's rows repeated to this many")
+    parser.add_argument("--per-shard", type=int, default=256, help="samples per shard")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from stream_servers import free_port, moto_available, s3_server, wait_for_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        shards = make_shards(args.data, Path(tmp) / "shards")
+        shards = make_shards(args.data, Path(tmp) / "shards", args.rows, args.per_shard)
         names = sorted(p.name for p in shards.glob("*.tar"))
         pattern = f"shard-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"
         port = free_port()
@@ -108,7 +122,7 @@ def run(sources: dict[str, str], args) -> None:
             cpu[name].append(images / seconds)
             wall[name].append(images / elapsed)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, data {args.data}")
-    print(f"{images} images per source per round, {args.rounds} rounds")
+    print(f"{images} images per source per round, {args.rounds} rounds, {args.per_shard} samples per shard")
     print("| source | img/s/core (CPU), median (min–max) | × local per round (min–max) | img/s wall |")
     print("|---|---|---|---|")
     local = cpu["local disk"]
