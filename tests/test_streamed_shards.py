@@ -194,9 +194,34 @@ def test_a_mixture_draws_by_weight_from_the_seed_and_counts_per_source(shards, s
         parse_mixture([{"shards": "a.tar"}, {"shards": "b.tar", "weight": -1}])
 
 
+def test_a_missing_shard_on_the_server_is_skipped_and_counted(shards, server):
+    gappy = shards.parent / "gappy"
+    if not gappy.exists():
+        shutil.copytree(shards, gappy)
+        (gappy / "shard-000003.tar").unlink()  # listed in the manifest, gone from the server
+    batches = stream(f"{server.url}/gappy/{BRACES}", policy=ReadPolicy(QUICK))
+    assert all(len(b["index"]) == 8 for b in take(batches, 12))
+    assert batches.shards_skipped["http_404"] >= 1
+
+
+@pytest.mark.skipif(not moto_available(), reason="s3fs not installed (the s3 extra)")
+def test_an_unreachable_s3_endpoint_is_a_clear_error(monkeypatch):
+    from stream_servers import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    with pytest.raises(DataError, match="cannot look for its manifest.json") as raised:
+        resolve("s3://bucket/shard-{0..1}.tar", Patience(timeout=1.0, retries=0, backoff=0.01))
+    assert "testing-secret" not in str(raised.value)
+
+
 def test_credentials_never_enter_a_recipe_or_a_message():
     with pytest.raises(ClipkitError, match="credentials"):
         resolve("https://user:secret@example.com/shard-{0..1}.tar")
+    with pytest.raises(ClipkitError, match="'X-Amz-Signature' looks like a credential") as raised:
+        resolve("https://example.com/shard-{0..1}.tar?X-Amz-Signature=abc123")
+    assert "abc123" not in str(raised.value)
     assert "sig" not in redact("https://h/s.tar?X-Amz-Signature=sig&a=1")
 
 
@@ -251,3 +276,10 @@ def test_evaluation_reads_a_streamed_set_in_place(shards, server):
     streamed = list(open_source(f"{server.url}/shapes/{BRACES}"))
     local = list(ShardSource(shards))
     assert [(s.key, s.image, s.captions) for s in streamed] == [(s.key, s.image, s.captions) for s in local]
+
+
+def test_streamed_batches_do_not_depend_on_the_number_of_workers(shards, server):
+    pipe = {"shards": f"pipe:cat {shards}/shard-{{000000..000002}}.tar", "num_samples": 48}
+    mixture = [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2}, pipe]
+    one = take(stream(None, mixture=mixture, num_samples=96), 6)
+    assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=2), 6), one)

@@ -138,10 +138,10 @@ def stream_sources(shards, mixture, num_samples: int, patience) -> tuple[list[St
         shard_set = resolve(entry.shards, patience)
         size = shard_set.num_samples or entry.num_samples
         if not size:
-            key = "data.num_samples" if mixture is None else f"data.mixture[{i}].num_samples"
+            key = "data.num_samples" if mixture is None else f"data.mixture[{i}].num_samples (the list form)"
             raise DataError(
                 f"{shard_set.shown}: no manifest.json or sizes.json beside the shards gives their sample count; "
-                f"set {key} (the samples in the set, as open_clip's --train-num-samples)"
+                f"set {key} (the samples in the set, as open_clip's train-num-samples)"
             )
         sources.append(StreamSource(shard_set, entry.weight, offset, size, shard_set.shown))
         offset += size

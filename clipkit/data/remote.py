@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import select
 import socket
 import subprocess
@@ -91,6 +92,13 @@ def check_url(url: str) -> None:
     scheme = scheme_of(url)
     if scheme in ("", "pipe", "file"):
         return
+    secret = [key for key in query_keys(url) if SECRET_PARAMETER.search(key)]
+    if secret:
+        raise ClipkitError(
+            f"{redact(url)}: the query parameter {secret[0]!r} looks like a credential, which would be saved "
+            "in the run's recipe; give credentials the backend's usual way (~/.netrc, AWS_* / GOOGLE_* "
+            "environment or config files)"
+        )
     if "@" in urlsplit(url).netloc:
         raise ClipkitError(
             f"{redact(url)}: credentials in a URL would be saved in the run's recipe; give them the "
@@ -99,6 +107,14 @@ def check_url(url: str) -> None:
     if scheme in HTTP_SCHEMES:
         return
     fsspec_filesystem(url)
+
+
+#: Query parameters that carry credentials (signed URLs, tokens, keys).
+SECRET_PARAMETER = re.compile(r"signature|token|secret|password|credential|^sig$|^key$|apikey|api_key", re.I)
+
+
+def query_keys(url: str) -> list[str]:
+    return [item.partition("=")[0] for item in urlsplit(url).query.split("&") if item]
 
 
 def fsspec_filesystem(url: str):
