@@ -379,7 +379,17 @@ class BatchStream:
                 yield batch
             if not produced and self.batch_in_epoch == 0:
                 raise DataError(f"epoch {self.epoch} yielded no full batch; lower data.batch_size")
+            self.announce_epoch()
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def announce_epoch(self) -> None:
+        """Once per epoch on process 0 of a mixture or a run that skipped shards: what it read."""
+        if self.rank != 0 or (self.sources is None or len(self.sources) < 2) and not self.shards_skipped:
+            return
+        taken = ", ".join(f"{name}: {count}" for name, count in self.samples_seen.items())
+        skipped = ", ".join(f"{reason}: {count}" for reason, count in self.shards_skipped.items()) or "none"
+        print(f"data: after epoch {self.epoch}, samples per source {{{taken}}}, shards skipped {{{skipped}}}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def loader(self, epoch: int, skip_batches: int):
         dataset = EpochDataset(
