@@ -163,6 +163,8 @@ def test_a_truncated_or_stalled_shard_is_skipped_and_counted_or_raises(shards, t
     policy = ReadPolicy(Patience(timeout=0.3, retries=0, backoff=0.01), "raise")
     with pytest.raises(DataError, match="timeout|timed out"):
         take(stream(stalled, num_samples=32, policy=policy, shuffle_buffer=0), 1)
+    with pytest.raises(DataError, match="no output for 0.3 s"):  # a stalled pipe: command is killed
+        take(stream("pipe:sleep 30", num_samples=32, policy=policy, shuffle_buffer=0), 1)
 
 
 def test_resume_mid_epoch_on_a_stream_and_a_mixture_sees_the_same_samples(shards, server):

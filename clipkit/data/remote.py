@@ -12,17 +12,20 @@ are shown with their query values hidden (:func:`redact`), so no secret reaches 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
 import re
 import select
+import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from clipkit import __version__, install_hint
@@ -158,7 +161,7 @@ def read_small(url: str, patience: Patience = Patience()) -> bytes | None:
     exist; other failures raise ShardUnavailable."""
     scheme = scheme_of(url)
     if scheme == "":
-        return open(url, "rb").read() if os.path.isfile(url) else None
+        return Path(url).read_bytes() if os.path.isfile(url) else None
     if scheme in HTTP_SCHEMES:
         try:
             with HttpReader(url, patience) as stream:
@@ -321,7 +324,7 @@ class PipeReader(io.RawIOBase):
     def readinto(self, buffer) -> int:
         ready, _, _ = select.select([self.fd], [], [], self.timeout)
         if not ready:
-            self.process.kill()
+            self.kill()
             raise ShardUnavailable(f"pipe:{self.command}", "timeout", f"no output for {self.timeout:g} s")
         data = os.read(self.fd, len(buffer))
         if not data:
@@ -333,9 +336,14 @@ class PipeReader(io.RawIOBase):
         buffer[: len(data)] = data
         return len(data)
 
+    def kill(self) -> None:
+        """The shell and what it started (its own session: ``aws s3 cp`` under ``sh -c``)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def close(self) -> None:
         if not self.closed and self.process.poll() is None:
-            self.process.kill()  # stopped early (a segment ends mid-tar): the command is not needed
+            self.kill()  # stopped early (a segment ends mid-tar): the command is not needed
         if not self.closed:
             self.process.wait()
             self.process.stdout.close()
