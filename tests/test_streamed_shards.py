@@ -285,3 +285,33 @@ def test_streamed_batches_do_not_depend_on_the_number_of_workers(shards, server)
     mixture = [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2}, pipe]
     one = take(stream(None, mixture=mixture, num_samples=96), 6)
     assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=2), 6), one)
+
+
+@pytest.fixture(scope="module")
+def foreign(shards, tmp_path_factory) -> Path:
+    """open_clip / img2dataset-style shards of the same images: png + txt, no json, no manifest."""
+    import webdataset as wds
+
+    from clipkit.data.shard import ShardSource
+
+    out = tmp_path_factory.mktemp("foreign")
+    samples = list(ShardSource(shards))
+    for number in range(2):
+        with wds.TarWriter(str(out / f"part-{number}.tar")) as writer:
+            for sample in samples[number * 48 : (number + 1) * 48]:
+                writer.write({"__key__": f"s{sample.key}", "png": sample.image, "txt": sample.captions[0]})
+    return out
+
+
+def test_foreign_shards_are_numbered_by_their_sizes_json_or_refused_where_a_loss_needs_indices(foreign):
+    spec = f"{foreign}/part-{{0..1}}.tar"
+    unnumbered = take(stream(spec, num_samples=96), 2)
+    assert all((b["index"] == -1).all() for b in unnumbered)  # no counts, no json index: none
+    with pytest.raises(DataError, match="has no global index"):
+        take(stream(spec, num_samples=96, require_index=True), 1)
+    (foreign / "sizes.json").write_text(json.dumps({"part-0.tar": 48, "part-1.tar": 48}))
+    try:
+        batches = take(stream(spec, require_index=True), 12)
+    finally:
+        (foreign / "sizes.json").unlink()
+    assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(96))
