@@ -315,3 +315,13 @@ def test_foreign_shards_are_numbered_by_their_sizes_json_or_refused_where_a_loss
     finally:
         (foreign / "sizes.json").unlink()
     assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(96))
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_processes_share_an_epoch_of_a_streamed_set_without_overlap(shards, server, counted):
+    spec = f"{server.url}/shapes/{BRACES}" if counted else f"pipe:cat {shards}/{BRACES}"
+    seen = []
+    for rank in range(2):
+        ranked = stream(spec, num_samples=0 if counted else 96, rank=rank, world_size=2, shuffle_buffer=0)
+        seen += torch.cat([b["index"] for b in take(ranked, 6)]).tolist()  # 96 / 2 / 8 batches each
+    assert sorted(seen) == list(range(96))
