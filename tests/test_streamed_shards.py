@@ -118,6 +118,12 @@ def test_the_quickstart_source_is_not_applied_to_another_data_shards():
         "clip@tiny", ["data.shards=/elsewhere", "data.source=synthetic://shapes?n=8"], registry
     )
     assert kept["data"]["source"] == "synthetic://shapes?n=8"
+    from clipkit.train.build import check_data_location
+
+    both = ["data.shards=/x/shard-{0..1}.tar", "data.source=synthetic://shapes"]
+    pattern = api.resolve("clip@tiny", both, registry)
+    with pytest.raises(DataError, match="does not exist"):  # a pattern is never a place to write to
+        check_data_location(pattern, registry)
 
 
 def test_http_stream_gives_the_local_directorys_batches(shards, server):

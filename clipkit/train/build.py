@@ -190,11 +190,11 @@ def is_streamed_data(data) -> bool:
     ``data.source``."""
     from clipkit.data.shard_sets import is_streamed
 
-    if data.mixture is not None:
-        return True
+    if data.mixture is not None or is_streamed(data.shards):
+        return True  # a URL or a pattern is never a place to shard data.source into
     if data.source:
         return False
-    return is_streamed(data.shards) or not (Path(data.shards) / "manifest.json").is_file()
+    return not (Path(data.shards) / "manifest.json").is_file()
 
 
 def loss_needs_sample_count(recipe: dict, registry: Registry) -> bool:
