@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,20 +71,27 @@ def test_brace_lists_expand_several_groups_and_name_a_missing_file(shards, tmp_p
 
 
 @pytest.mark.parametrize(
-    "shards_override, says",
+    "arguments, says",
     [
-        ("/path/that/does/not/exist", "no such file or directory"),
-        ("/data/shard-{000000..000002}.tar", "shard-000000.tar does not exist"),
-        ("http://127.0.0.1:9/shard-{000000..000002}.tar", "cannot look for its manifest.json"),
+        (["data.shards=/path/that/does/not/exist"], "no such file or directory"),
+        (["data.shards=/data/shard-{000000..000002}.tar"], "shard-000000.tar does not exist"),
+        (["data.shards=http://127.0.0.1:9/shard-{000000..000002}.tar"], "cannot look for its manifest.json"),
+        (["--data", "/path/that/does/not/exist"], "no such file or directory"),
+        (["--data", "/data/shard-{000000..000002}.tar"], "shard-000000.tar does not exist"),
+        (["--data", "http://127.0.0.1:9/shard-{000000..000002}.tar"], "cannot look for its manifest.json"),
     ],
 )
-def test_a_wrong_data_path_is_an_error_and_nothing_is_written(tmp_path, monkeypatch, shards_override, says):
+def test_a_wrong_data_path_is_an_error_and_nothing_is_written(tmp_path, monkeypatch, arguments, says):
+    from typer.testing import CliRunner
+
+    from clipkit.cli import make_app
+
     monkeypatch.chdir(tmp_path)
-    command = [sys.executable, "-m", "clipkit", "train", "clip@tiny", f"data.shards={shards_override}",
-               "train.steps=1", "data.retries=0", "data.timeout=2"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert says in result.stderr and "Traceback" not in result.stderr
+    app = make_app(make_plugin_manager(autoload=False))
+    command = ["train", "clip@tiny", *arguments, "train.steps=1", "data.retries=0", "data.timeout=2"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert says in result.output and "Traceback" not in result.output
     assert list(tmp_path.iterdir()) == []  # no synthetic shards, no run directory
 
 
