@@ -119,7 +119,14 @@ def own_data_overrides(
             overrides += [f"data.source={json.dumps(data)}", f"data.shards={json.dumps(shards_for(data))}"]
         return overrides, notes
     data = absolute(data)
-    if is_shard_directory(data):
+    check_local_data(data)
+    if is_streamed_data(data):
+        holdout = streamed_holdout(holdout)
+        shards, source = data, ""
+        notes.insert(0, f"data: streaming the shards {redact(data)} (no local copy)")
+        if not extra:
+            notes.insert(1, "data: streamed data has no held-out split; evaluate it with --eval-data")
+    elif is_shard_directory(data):
         shards, source = data, ""
         notes.insert(0, f"data: training on the shards in {data}")
     else:
@@ -128,7 +135,7 @@ def own_data_overrides(
     tasks = eval_tasks(holdout_uri(shards, holdout), label) if holdout > 0 else []
     if holdout > 0:
         notes.insert(1, f"data: {holdout:.1%} of the samples (by key hash) are held out for evaluation")
-    elif not extra:
+    elif not extra and not is_streamed_data(data):
         notes.insert(1, "data: --holdout 0 and no --eval-data: the run is not evaluated")
     overrides = [
         f"data.shards={json.dumps(shards)}",
@@ -137,6 +144,41 @@ def own_data_overrides(
         f"eval={json.dumps(tasks + extra)}",
     ]
     return overrides, notes
+
+
+def is_streamed_data(data: str) -> bool:
+    from clipkit.data.shard_sets import is_streamed, is_tar_folder
+
+    return is_streamed(data) or is_tar_folder(data)
+
+
+def redact(data: str) -> str:
+    from clipkit.data.remote import redact as redact_url
+
+    return redact_url(data)
+
+
+def check_local_data(data: str) -> None:
+    """``--data`` naming a local path that is not there, or an empty folder: an error naming it
+    (before anything is written), never a source to fill."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", data) or is_streamed_data(data):
+        return
+    path = Path(data.partition("?")[0])
+    if not path.exists():
+        raise ClipkitError(f"--data {path}: no such file or directory")
+    if path.is_dir() and not any(path.iterdir()):
+        raise ClipkitError(f"--data {path}: the directory is empty")
+
+
+def streamed_holdout(holdout: float) -> float:
+    """Streamed ``--data`` trains on everything: a held-out split would read every shard before
+    training. The default fraction is dropped; an explicit other one is refused."""
+    if holdout in (0, DEFAULT_HOLDOUT):
+        return 0.0
+    raise ClipkitError(
+        f"--holdout {holdout:g}: streamed --data has no held-out split (finding it would read every shard "
+        "first); give --eval-data, or shard the data with `clipkit shard --split val=F`"
+    )
 
 
 def parse_split(text: str) -> tuple[str, float]:

@@ -55,6 +55,15 @@ class DataConfig:
 
     shards: str = ""  # directory with manifest.json; created from `source` when missing
     source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
+    # Streamed sources (docs/data.md): the samples in an epoch when no manifest.json / sizes.json
+    # beside the shards counts them (0: from the counts); a weighted list of shard sets instead of
+    # `shards` ([{shards, weight}], or "W*SHARDS :: W*SHARDS"); what an unreadable shard does
+    # (skip: counted by reason; raise: stop); seconds per connect/read and extra attempts.
+    num_samples: int = 0
+    mixture: Any = None
+    on_error: str = "skip"
+    timeout: float = 30.0
+    retries: int = 3
     stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
     batch_size: int = 128
     # Lower batch_size to what the training split holds when it holds less than one batch (with a
@@ -209,6 +218,10 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
             check_interpolations(config, spec)
             apply_override(config, key, value)
     apply_overrides(config, overrides, spec)
+    if names_other_shards(overrides, spec):
+        # The recipe's data.source says how to make *its* shards (the quickstart's synthetic
+        # shapes); kept, it would fill the user's data.shards with them and train on the wrong data.
+        OmegaConf.update(config, "data.source", "", force_add=True)
     resolved = resolve_interpolations(config, spec)
     train = resolved.get("train")
     if isinstance(train, dict) and train.get("precision") is False:
@@ -445,6 +458,18 @@ def apply_overrides(config, overrides, where: str) -> None:
         key, value = parse_override(item, where)
         check_interpolations(config, where)  # apply_override looks current values up (resolving them)
         apply_override(config, key, value)
+
+
+def names_other_shards(overrides, where: str) -> bool:
+    """Whether the overrides point ``data.shards`` (or ``data.mixture``) elsewhere without naming the
+    ``data.source`` to make them from: then they name data to read, never a place to write to."""
+    keys: set[str] = set()
+    for item in overrides:
+        key, value = parse_override(item, where)
+        keys.add(key)
+        if key == "data" and isinstance(value, dict):
+            keys.update(f"data.{name}" for name in value)
+    return bool(keys & {"data.shards", "data.mixture"}) and "data.source" not in keys
 
 
 def apply_override(config, key: str, value: Any) -> None:

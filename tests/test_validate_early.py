@@ -87,7 +87,7 @@ def test_required_tokenizer_is_an_optional_encoder_member(registry):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.shards={tmp}/gone", "data.source="], "{tmp}/gone: no manifest.json and no data.source"),
+        (["data.shards={tmp}/gone", "data.source="], "data.shards {tmp}/gone: no such file or directory"),
         (
             ["data.shards={tmp}/out", "data.source={tmp}/missing.jsonl"],
             "{tmp}/missing.jsonl: table not found",

@@ -43,7 +43,7 @@ def record_captions(meta: dict, txt: bytes | str | None) -> tuple[str, ...]:
     return tuple(caption for caption in captions_from_text(text) if caption.strip())
 
 
-def draw_caption(captions: Sequence[str], *, seed: int, epoch: int, index: int) -> str:
+def draw_caption(captions: Sequence[str], *, seed: int, epoch: int, index: int | str) -> str:
     """The caption sample ``index`` is trained on in ``epoch`` of a run seeded ``seed``.
 
     A uniform draw from its own stream (not the augmentation's), so it depends on nothing else:

@@ -24,9 +24,11 @@ and every count above is of the samples kept (counted once, from the tars' json 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import json
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,74 +39,12 @@ import torch.utils.data
 
 from clipkit.errors import DataError
 from clipkit.data.captions import draw_caption
+from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, read_segments, record_key
+from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.transforms import ImageTransform, decode_transformed
 
-__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Samples [start, stop) (positions within the tar) of one shard."""
-
-    url: str
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """What one rank reads in one epoch: shard segments and the number of full batches."""
-
-    segments: tuple[Segment, ...]
-    batches: int
-
-    @classmethod
-    def build(cls, shards, *, seed, epoch, rank, world_size, batch_size, resampled=False) -> EpochPlan:
-        """``shards``: [(url, count)] from the manifest; the plan is a pure function of the arguments."""
-        rng = random.Random(f"shards:{seed}:{epoch}")
-        if resampled:
-            ordered = rng.choices(list(shards), k=len(shards))
-        else:
-            ordered = list(shards)
-            rng.shuffle(ordered)
-        total = sum(count for _, count in ordered)
-        low, high = rank * total // world_size, (rank + 1) * total // world_size
-        segments, offset = [], 0
-        for url, count in ordered:
-            start, stop = max(low - offset, 0), min(high - offset, count)
-            if start < stop:
-                segments.append(Segment(url, start, stop))
-            offset += count
-        return cls(tuple(segments), (total // world_size) // batch_size)
-
-
-def read_segments(segments, holdout: float = 0.0) -> Iterator[dict[str, Any]]:
-    """Raw WebDataset records (bytes per field) of each segment, in order; with ``holdout``, the
-    positions count the kept samples only (the held-out ones are skipped before slicing)."""
-    import webdataset as wds
-
-    for segment in segments:
-        records = wds.tarfile_to_samples()(iter([{"url": segment.url}]))
-        kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
-        try:
-            yield from itertools.islice(kept, segment.start, segment.stop)
-        finally:
-            records.close()  # stop reading the tar (and close it) past the segment
-
-
-def record_key(json_bytes: bytes, fallback: str) -> str:
-    """The source key stored in a record's json (the key the held-out split hashes)."""
-    try:
-        return str(json.loads(json_bytes).get("key", fallback))
-    except (ValueError, AttributeError):
-        return fallback
-
-
-def record_held_out(record: dict[str, Any], holdout: float) -> bool:
-    from clipkit.own_data import is_held_out
-
-    return is_held_out(record_key(record.get("json", b"{}"), record.get("__key__", "")), holdout)
+__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform", "ReadPolicy", "Segment", "read_segments"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +63,12 @@ class TrainingSplit:
         """A kept sample's global index -> its place among the training samples, so per-sample
         state (NUCLR's ζ, SogCLR's u) is indexed 0 .. num_samples - 1 with a held-out split too."""
         return index - bisect.bisect_left(self.held_out, index)
+
+
+def is_clipkit_directory(shards) -> bool:
+    from clipkit.data.shard_sets import is_streamed
+
+    return not is_streamed(str(shards)) and (Path(shards) / "manifest.json").is_file()
 
 
 def training_split(shards, holdout: float = 0.0) -> TrainingSplit:
@@ -185,18 +131,22 @@ class EpochDataset(torch.utils.data.IterableDataset):
         rank=0,
         holdout=0.0,
         held_out=(),
+        policy=None,
+        require_index=False,
     ):
         self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
         self.shuffle_buffer, self.views = shuffle_buffer, views
         self.meta_keys = dict(meta_keys or {})
         self.holdout, self.positions = holdout, TrainingSplit([], tuple(held_out))
+        self.policy, self.require_index = policy or ReadPolicy(), require_index
+        self.faults: list[tuple[str, str]] = []
 
     def record_batches(self) -> Iterator[list[dict[str, Any]]]:
         """The rank's batches of raw records, in order (identical in every worker)."""
         import webdataset as wds
 
-        records = read_segments(self.plan.segments, self.holdout)
+        records = self.plan.records(self.holdout, self.policy, self.faults)
         if self.shuffle_buffer > 1:
             # One stream per rank (every worker computes the same); the trailing ":0" keeps the seed
             # string of the earlier per-worker loader, so single-process order is unchanged.
@@ -208,16 +158,25 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        reported = 0
         for position, records in enumerate(self.record_batches()):
+            if len(records) < self.batch_size:
+                return  # an unreadable shard cut the epoch short (already counted)
+            # Shards skipped while this batch was filled are reported once, by the batch's worker.
+            faults, reported = self.faults[reported:], len(self.faults)
             if position >= self.skip_batches and (position - self.skip_batches) % num_workers == worker:
-                yield self.collate(records)
+                batch = self.collate(records)
+                batch["data_stats"] = {"sources": source_counts(records), "faults": faults}
+                yield batch
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Decode raw records into a batch: image [B,3,S,S] (and image2 in two-view mode),
         text [B,L] token ids, index [B] places among the training samples (the global indices when
         nothing is held out), meta {name: list}."""
         samples = [decode_record(record, "shards") for record in records]
-        rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
+        indices = [self.sample_index(record, sample) for record, sample in zip(records, samples, strict=True)]
+        sample_ids = [augment_id(record, sample) for record, sample in zip(records, samples, strict=True)]
+        rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{sample_id}") for sample_id in sample_ids]
         # One decode per sample for all its views; each sample's rng draws view 1, then view 2.
         transforms = [self.transform] * self.views
         views = [
@@ -227,7 +186,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         batch: dict[str, Any] = {
             "image": torch.stack([v[0] for v in views]),
             # Places among the training samples (0 .. n-1 also when a held-out split is left out).
-            "index": torch.tensor([self.positions.position(int(s.meta["index"])) for s in samples]),
+            "index": torch.tensor(indices),
             "meta": batch_meta(samples, self.meta_keys),
         }
         if self.views == 2:
@@ -239,12 +198,41 @@ class EpochDataset(torch.utils.data.IterableDataset):
                         f"sample {sample.meta['index']} ({sample.key}) has no caption, but the recipe has a "
                         "text tower: shard an image-caption source (label-only sets are for evaluation)"
                     )
-            # One caption per sample per epoch: a pure function of (seed, epoch, global index).
+            # One caption per sample per epoch: a pure function of (seed, epoch, the sample's id: its
+            # global index for clipkit shards), never of the augmentation, worker or rank.
             batch["text"] = self.tokenizer(
-                [draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=int(s.meta["index"]))
-                 for s in samples]  # fmt: skip
+                [draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=sample_id)
+                 for s, sample_id in zip(samples, sample_ids, strict=True)]  # fmt: skip
             )
         return batch
+
+    def sample_index(self, record: dict[str, Any], sample) -> int:
+        """The sample's place among the training samples (``__index__`` when the stream numbered
+        it, else its json index less the held-out ones before it); -1 when it has none."""
+        index = record.get("__index__")
+        if index is None:
+            index = -1 if sample.meta.get("index") is None else self.positions.position(int(sample.meta["index"]))
+        if index < 0 and self.require_index:
+            raise DataError(
+                f"sample {sample.key!r} of {redact(record.get('__url__', '?'))} has no global index, which the "
+                "loss's per-sample state needs: serve a sizes.json or manifest.json beside the shards "
+                "(or use clipkit shards, whose json carries the index)"
+            )
+        return index
+
+
+def source_counts(records) -> dict[int, int]:
+    return dict(collections.Counter(int(record.get("__source__", 0)) for record in records))
+
+
+def augment_id(record: dict[str, Any], sample) -> str:
+    """What seeds a sample's augmentation: its json index (clipkit shards; as before streaming),
+    else its global index, else its shard and key."""
+    if sample.meta.get("index") is not None:
+        return str(sample.meta["index"])
+    if record.get("__index__", -1) >= 0:
+        return str(record["__index__"])
+    return f"{redact(record.get('__url__', ''))}#{record.get('__key__')}"
 
 
 def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
@@ -289,30 +277,81 @@ class BatchStream:
         world_size=1,
         holdout=0.0,
         split=None,
+        mixture=None,
+        num_samples=0,
+        policy=None,
+        require_index=False,
     ):
-        self.holdout = float(holdout)
-        self.split = split if split is not None else training_split(shards, self.holdout)
-        self.shards, self.num_samples = self.split.counts, self.split.num_samples
+        self.holdout, self.policy, self.require_index = float(holdout), policy or ReadPolicy(), require_index
         self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
         self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
         self.views, self.resampled = views, resampled
         self.meta_keys = dict(meta_keys or {})
         self.rank, self.world_size = rank, world_size
         self.epoch, self.batch_in_epoch = 0, 0
+        self.sources, self.first_indices, self.source_names = None, None, [str(shards)]
+        self.samples_seen: collections.Counter = collections.Counter()
+        self.shards_skipped: collections.Counter = collections.Counter()
+        if mixture is None and (split is not None or is_clipkit_directory(shards)):
+            self.split = split if split is not None else training_split(shards, self.holdout)
+            self.shards, self.num_samples = self.split.counts, self.split.num_samples
+        else:
+            self.init_streamed(shards, mixture, int(num_samples or 0))
         per_rank = self.num_samples // self.world_size
         if per_rank < batch_size:
             raise DataError(
-                f"{shards}: {self.num_samples} samples over {self.world_size} process(es) are fewer than "
-                f"one batch of {batch_size} each; lower data.batch_size"
+                f"{self.source_names[0] if len(self.source_names) == 1 else 'data.mixture'}: {self.num_samples} "
+                f"samples over {self.world_size} process(es) are fewer than one batch of {batch_size} each; "
+                "lower data.batch_size"
             )
 
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+    def init_streamed(self, shards, mixture, num_samples: int) -> None:
+        """A streamed set or a mixture: a counted single set is planned like a shard directory
+        (its samples numbered from the counts); anything else is drawn by a MixturePlan."""
+        from clipkit.data.mixture import stream_sources
 
-    def restore(self, position: dict[str, int]) -> None:
+        if self.holdout > 0:
+            raise DataError("data.holdout works on clipkit shard directories only; evaluate streamed data with --eval-data")
+        sources, total = stream_sources(shards, mixture, num_samples, self.policy.patience)
+        self.split = TrainingSplit([])
+        self.source_names = [source.name for source in sources]
+        self.num_samples = total
+        counted = sources[0].shards.counts is not None
+        if mixture is None and counted and (not num_samples or num_samples == sources[0].size):
+            self.shards, self.first_indices = sources[0].shards.entries, sources[0].shards.first_indices
+        else:
+            self.sources = tuple(sources)
+            if any(len(s.shards.urls) < self.world_size and s.shards.counts is None for s in sources):
+                raise DataError(
+                    f"{self.source_names}: a source without counts needs at least one shard per process "
+                    f"({self.world_size}); serve a sizes.json beside the shards, or use fewer processes"
+                )
+
+    def position(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples_seen": dict(self.samples_seen),
+            "shards_skipped": dict(self.shards_skipped),
+        }
+
+    def restore(self, position: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(position["epoch"]), int(position["batch_in_epoch"])
+        self.samples_seen = collections.Counter(position.get("samples_seen") or {})
+        self.shards_skipped = collections.Counter(position.get("shards_skipped") or {})
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def metrics(self) -> dict[str, float]:
+        """Samples this process took from each source, and shards it skipped by reason, so far."""
+        found = {f"data/samples/{name}": float(count) for name, count in self.samples_seen.items()}
+        found.update({f"data/skipped/{reason}": float(count) for reason, count in self.shards_skipped.items()})
+        return found
+
+    def plan(self, epoch: int):
+        if self.sources is not None:
+            from clipkit.data.mixture import MixturePlan
+
+            batches = (self.num_samples // self.world_size) // self.batch_size
+            return MixturePlan(self.sources, batches, self.seed, epoch, self.rank, self.world_size, self.resampled)
         return EpochPlan.build(
             self.shards,
             seed=self.seed,
@@ -321,18 +360,37 @@ class BatchStream:
             world_size=self.world_size,
             batch_size=self.batch_size,
             resampled=self.resampled,
+            first_indices=self.first_indices,
         )
+
+    def count(self, stats: dict[str, Any]) -> None:
+        for source, number in stats["sources"].items():
+            self.samples_seen[self.source_names[source]] += number
+        for reason, url in stats["faults"]:
+            self.shards_skipped[reason] += 1
+            print(f"data: skipped shard {url} ({reason})", file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while True:
             produced = False
             for batch in self.loader(self.epoch, self.batch_in_epoch):
                 produced = True
+                self.count(batch.pop("data_stats"))
                 self.batch_in_epoch += 1
                 yield batch
             if not produced and self.batch_in_epoch == 0:
                 raise DataError(f"epoch {self.epoch} yielded no full batch; lower data.batch_size")
+            self.announce_epoch()
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def announce_epoch(self) -> None:
+        """Once per epoch on process 0 of a mixture or a run that skipped shards: what it read."""
+        if self.rank != 0 or (self.sources is None or len(self.sources) < 2) and not self.shards_skipped:
+            return
+        taken = ", ".join(f"{name}: {count}" for name, count in self.samples_seen.items())
+        skipped = ", ".join(f"{reason}: {count}" for reason, count in self.shards_skipped.items()) or "none"
+        print(f"data: after epoch {self.epoch}, samples per source {{{taken}}}, shards skipped {{{skipped}}}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def loader(self, epoch: int, skip_batches: int):
         dataset = EpochDataset(
@@ -349,5 +407,7 @@ class BatchStream:
             rank=self.rank,
             holdout=self.holdout,
             held_out=self.split.held_out,
+            policy=self.policy,
+            require_index=self.require_index,
         )
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

@@ -128,14 +128,21 @@ class ShardSource:
 
 
 def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
-    """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded)."""
+    """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded). Shards
+    from elsewhere (open_clip / img2dataset style) may lack the json: the caption is then ``txt``
+    and the sample has no stored index (:mod:`clipkit.data.shard_sets` numbers it)."""
     key = record.get("__key__", "?")
     try:
-        meta = json.loads(record["json"])
+        meta = json.loads(record["json"]) if "json" in record else {}
         image_ext = next(ext for ext in ("png", "jpg", "jpeg", "webp", "bmp") if ext in record)
-        captions = record_captions(meta, record.get("txt"))
     except (KeyError, StopIteration, ValueError) as error:  # ValueError: bad JSON, non-UTF-8 txt
         raise DataError(f"{where}: sample {key!r} lacks an image or a valid json field ({error})") from error
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: sample {key!r}: its json is not an object")
+    try:
+        captions = record_captions(meta, record.get("txt"))
+    except ValueError as error:  # non-UTF-8 txt
+        raise DataError(f"{where}: sample {key!r}: its txt is not UTF-8 text ({error})") from error
     return Sample(
         key=str(meta.get("key", key)),
         image=record[image_ext],

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from clipkit.data.loader import BatchStream, training_split
+from clipkit.data.loader import BatchStream, ReadPolicy, training_split
+from clipkit.data.remote import Patience
 from clipkit.data.shard_writer import check_shards, ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
@@ -153,11 +154,12 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
     if data.stream is not None:
         batch_size = runtime.plan.local_size
         return build_slot(registry, "stream", data.stream, "data.stream", batch_size=batch_size, **place)
-    shards = ensure_shards_once(runtime, data, registry)
-    split = training_split(shards, data.holdout)
-    if data.holdout > 0:
+    streamed = is_streamed_data(data)  # read where it lives: nothing is written locally
+    shards = shard_target(data) if streamed else ensure_shards_once(runtime, data, registry)
+    split = None if streamed else training_split(shards, data.holdout)
+    if split is not None and data.holdout > 0:
         check_held_out(split, data.holdout, shards, announce=runtime.is_main)
-    if data.fit_batch:
+    if split is not None and data.fit_batch:
         fit_batch_to_data(runtime, split.num_samples, shards)
     two_view, batched = model.pair == "two_view", data.augment == "batched"
     transform = build_transform(recipe, train=True)
@@ -174,8 +176,33 @@ def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
         meta_keys=dict(data.meta_keys),
         holdout=data.holdout,  # clipkit train --data: the held-out split is evaluated, never trained on
         split=split,
+        mixture=data.mixture,
+        num_samples=data.num_samples,
+        policy=ReadPolicy(Patience(timeout=data.timeout, retries=data.retries), data.on_error),
+        require_index=loss_needs_sample_count(recipe, registry),
         **place,
     )
+
+
+def is_streamed_data(data) -> bool:
+    """Whether the recipe trains on shards read where they live (a mixture, a URL, a brace list,
+    a folder of tars without a manifest) rather than a clipkit shard directory made from
+    ``data.source``."""
+    from clipkit.data.shard_sets import is_streamed
+
+    if data.mixture is not None or is_streamed(data.shards):
+        return True  # a URL or a pattern is never a place to shard data.source into
+    if data.source:
+        return False
+    return not (Path(data.shards) / "manifest.json").is_file()
+
+
+def loss_needs_sample_count(recipe: dict, registry: Registry) -> bool:
+    """Whether the loss keeps per-sample state (its factory takes ``num_samples``: NUCLR, SogCLR)."""
+    import inspect
+
+    entry = registry.get("loss", recipe["loss"]["name"], where="loss")
+    return "num_samples" in inspect.signature(entry.factory).parameters
 
 
 def check_held_out(split, fraction: float, shards, *, announce: bool) -> None:
@@ -231,8 +258,18 @@ def shard_target(data) -> str:
 def check_data_location(recipe: dict, registry: Registry) -> None:
     """What training checks about the recipe's data before it writes anything (``clipkit validate``):
     the shard directory, or the source it would be made from (see :func:`ensure_shards`)."""
+    from clipkit.data.shard_sets import parse_mixture, resolve
+
     data = section(recipe, "data")
-    if data.stream is None:
+    if data.stream is not None:
+        return
+    patience = Patience(timeout=data.timeout, retries=data.retries)
+    if data.mixture is not None:
+        for entry in parse_mixture(data.mixture):
+            resolve(entry.shards, patience)  # a DataError naming a missing path, before anything is written
+    elif is_streamed_data(data):
+        resolve(data.shards, patience)
+    else:
         check_shards(shard_target(data), data.source, pm=registry.pm)
 
 

@@ -119,6 +119,8 @@ def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float) -
     if outcome.grad_norm is not None:
         metrics["grad_norm"] = outcome.grad_norm
     metrics["skipped_steps"] = trainer.skipped_steps
+    if hasattr(stream, "metrics"):  # samples per source, shards skipped by reason (streamed data)
+        metrics.update(stream.metrics())
     metrics["samples_per_s"] = samples_per_s
     if rt.device.type == "cuda":  # this process's peak, for memory budgets (docs/benchmarks.md)
         metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30

@@ -32,4 +32,8 @@ def open_source(uri, options):
     dataset = open_dataset_source(uri, options)
     if dataset is not None:
         return dataset
+    from clipkit.data.shard_sets import StreamedShardSource, is_streamed, is_tar_folder
+
+    if is_streamed(uri) or is_tar_folder(uri):  # URLs, brace lists, pipe:, s3:// ...: read in place
+        return StreamedShardSource(uri)
     return open_file_source(uri, options)

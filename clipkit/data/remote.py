@@ -1,0 +1,351 @@
+"""Opening one shard where it lives: a local file, ``http(s)://``, ``pipe:COMMAND`` or an fsspec URL
+(``s3://``, ``gs://``, ``hf://``, ...), as a readable binary stream.
+
+Transient failures (connection errors, timeouts, HTTP 408/429/5xx) are retried with exponential
+back-off (:class:`Patience`), and an HTTP body broken off mid-way is continued with a ``Range``
+request, so a flaky link costs time, not samples. Every read has a timeout, so a stalled server
+or a stalled ``pipe:`` command fails the shard (:class:`ShardUnavailable`) instead of hanging the
+run. Credentials come from each backend's usual place (``~/.netrc`` for HTTP, the AWS / Google
+environment and config files for fsspec); a URL carrying ``user:password@`` is refused, and URLs
+are shown with their query values hidden (:func:`redact`), so no secret reaches a log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import re
+import select
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from clipkit import __version__, install_hint
+from clipkit.errors import ClipkitError
+
+HTTP_SCHEMES = ("http", "https")
+#: fsspec protocols -> the package that provides them (the error says which to install).
+FSSPEC_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "hf": "huggingface_hub",
+    "az": "adlfs",
+    "abfs": "adlfs",
+}
+#: The clipkit extra that installs each package (pyproject.toml).
+EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
+TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class ShardUnavailable(Exception):
+    """A shard that could not be read (after the retries); ``reason`` is the counter's name."""
+
+    def __init__(self, url: str, reason: str, detail: str) -> None:
+        super().__init__(f"{redact(url)}: {detail}")
+        self.url, self.reason, self.detail = url, reason, detail
+
+
+@dataclass(frozen=True)
+class Patience:
+    """How long to wait for a shard: ``timeout`` seconds per connect / read, ``retries`` extra
+    attempts after a transient failure, waiting ``backoff · 2^attempt`` (capped, jittered)."""
+
+    timeout: float = 30.0
+    retries: int = 3
+    backoff: float = 1.0
+    max_delay: float = 30.0
+
+    def delay(self, attempt: int, url: str) -> float:
+        # Jitter seeded by the URL: reproducible, yet ranks retrying one server do not stampede.
+        jitter = random.Random(f"{url}:{attempt}").uniform(0.5, 1.0)
+        return min(self.backoff * 2**attempt, self.max_delay) * jitter
+
+
+def scheme_of(url: str) -> str:
+    """``http``, ``s3``, ``pipe``, ... or ``""`` for a local path."""
+    if url.startswith("pipe:"):
+        return "pipe"
+    if "://" in url:
+        return url.split("://", 1)[0].lower()
+    return ""
+
+
+def redact(url: str) -> str:
+    """``url`` safe to print: user info dropped, query values hidden (signed URLs carry tokens)."""
+    if scheme_of(url) in ("", "pipe"):
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(f"{item.partition('=')[0]}=***" for item in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def check_url(url: str) -> None:
+    """Refuse what would put a secret into the recipe, or a scheme no installed package reads."""
+    scheme = scheme_of(url)
+    if scheme in ("", "pipe", "file"):
+        return
+    secret = [key for key in query_keys(url) if SECRET_PARAMETER.search(key)]
+    if secret:
+        raise ClipkitError(
+            f"{redact(url)}: the query parameter {secret[0]!r} looks like a credential, which would be saved "
+            "in the run's recipe; give credentials the backend's usual way (~/.netrc, AWS_* / GOOGLE_* "
+            "environment or config files)"
+        )
+    if "@" in urlsplit(url).netloc:
+        raise ClipkitError(
+            f"{redact(url)}: credentials in a URL would be saved in the run's recipe; give them the "
+            "backend's usual way instead (~/.netrc for HTTP, AWS_* / GOOGLE_* environment or config files)"
+        )
+    if scheme in HTTP_SCHEMES:
+        return
+    fsspec_filesystem(url)
+
+
+#: Query parameters that carry credentials (signed URLs, tokens, keys).
+SECRET_PARAMETER = re.compile(r"signature|token|secret|password|credential|^sig$|^key$|apikey|api_key", re.I)
+
+
+def query_keys(url: str) -> list[str]:
+    return [item.partition("=")[0] for item in urlsplit(url).query.split("&") if item]
+
+
+def fsspec_filesystem(url: str):
+    """The fsspec file system class for ``url``'s protocol; a ClipkitError naming what to install."""
+    scheme = scheme_of(url)
+    package = FSSPEC_PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+    extra = EXTRAS.get(package)
+    how = f"{install_hint(extra)} (or pip install {package})" if extra else f"pip install {package}"
+    try:
+        import fsspec
+    except ImportError:
+        raise ClipkitError(f"{redact(url)}: reading {scheme}:// shards needs fsspec and {package}: {how}") from None
+    try:
+        return fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        raise ClipkitError(f"{redact(url)}: reading {scheme}:// shards needs {package}: {how}") from None
+    except ValueError:
+        raise ClipkitError(f"{redact(url)}: no installed package reads {scheme}:// URLs") from None
+
+
+def open_shard(url: str, patience: Patience = Patience()):
+    """A binary stream of the shard at ``url`` (close it when done); ShardUnavailable when it
+    cannot be opened after the retries."""
+    scheme = scheme_of(url)
+    if scheme == "":
+        try:
+            return open(url, "rb")  # noqa: SIM115 - the caller closes it
+        except OSError as error:
+            raise ShardUnavailable(url, "unreachable", str(error)) from error
+    if scheme == "file":
+        return open_shard(urlsplit(url).path, patience)
+    if scheme == "pipe":
+        return PipeReader(url[len("pipe:") :], patience.timeout)
+    if scheme in HTTP_SCHEMES:
+        return HttpReader(url, patience)
+    return open_fsspec(url, patience)
+
+
+def read_small(url: str, patience: Patience = Patience()) -> bytes | None:
+    """The whole (small) file at ``url`` — a manifest beside the shards — or None when it does not
+    exist; other failures raise ShardUnavailable."""
+    scheme = scheme_of(url)
+    if scheme == "":
+        return Path(url).read_bytes() if os.path.isfile(url) else None
+    if scheme in HTTP_SCHEMES:
+        try:
+            with HttpReader(url, patience) as stream:
+                return stream.read()
+        except ShardUnavailable as error:
+            if error.reason == "http_404" or error.reason == "http_403":
+                return None
+            raise
+    filesystem = fsspec_filesystem(url)(**storage_options(url, patience))
+    try:
+        with filesystem.open(url, "rb") as stream:
+            return stream.read()
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+        raise ShardUnavailable(url, "unreachable", f"{type(error).__name__}: {error}") from error
+
+
+def storage_options(url: str, patience: Patience) -> dict:
+    """fsspec options giving the backend clipkit's timeouts and retries (credentials: its own)."""
+    if scheme_of(url) in ("s3", "s3a"):
+        config = {
+            "connect_timeout": patience.timeout,
+            "read_timeout": patience.timeout,
+            "retries": {"max_attempts": patience.retries + 1, "mode": "standard"},
+        }
+        options: dict = {"config_kwargs": config}
+        # AWS_ENDPOINT_URL is botocore's own variable; s3fs's aiobotocore may predate it.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
+        return options
+    return {}
+
+
+def open_fsspec(url: str, patience: Patience):
+    filesystem = fsspec_filesystem(url)
+    last: Exception | None = None
+    for attempt in range(patience.retries + 1):
+        try:
+            fs = filesystem(**storage_options(url, patience))
+            return fs.open(url, "rb", block_size=8 << 20)
+        except FileNotFoundError as error:
+            raise ShardUnavailable(url, "missing", "no such object") from error
+        except PermissionError as error:
+            raise ShardUnavailable(url, "forbidden", str(error)) from error
+        except Exception as error:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            last = error
+            if attempt < patience.retries:
+                time.sleep(patience.delay(attempt, url))
+    raise ShardUnavailable(url, "unreachable", f"{type(last).__name__}: {last}")
+
+
+class HttpReader(io.RawIOBase):
+    """An HTTP(S) body as a stream: retried on transient failures, continued with ``Range`` after
+    a break mid-way, every socket operation under ``patience.timeout``."""
+
+    def __init__(self, url: str, patience: Patience) -> None:
+        self.url, self.patience = url, patience
+        self.offset, self.failures = 0, 0
+        self.response = self.connect()
+
+    def readable(self) -> bool:
+        return True
+
+    def request(self) -> urllib.request.Request:
+        headers = {"User-Agent": f"clipkit/{__version__}"}
+        if self.offset:
+            headers["Range"] = f"bytes={self.offset}-"
+        auth = netrc_authorization(self.url)
+        if auth:
+            headers["Authorization"] = auth
+        return urllib.request.Request(self.url, headers=headers)
+
+    def connect(self):
+        while True:
+            try:
+                response = urllib.request.urlopen(self.request(), timeout=self.patience.timeout)
+                if self.offset and response.status != 206:
+                    response.close()  # the server ignores Range: the rest cannot be fetched alone
+                    raise ShardUnavailable(self.url, "broken_stream", "the connection broke and the server ignores Range")
+                return response
+            except urllib.error.HTTPError as error:
+                reason = f"http_{error.code}"
+                if error.code not in TRANSIENT_HTTP:
+                    raise ShardUnavailable(self.url, reason, f"HTTP {error.code} {error.reason}") from None
+                self.wait(reason, f"HTTP {error.code}")
+            except (urllib.error.URLError, OSError) as error:
+                self.wait(timeout_or_unreachable(error), str(getattr(error, "reason", error)))
+
+    def wait(self, reason: str, detail: str) -> None:
+        """Sleep before the next attempt, or raise when the retries are spent."""
+        if self.failures >= self.patience.retries:
+            raise ShardUnavailable(self.url, reason, f"{detail} (after {self.failures + 1} attempts)")
+        time.sleep(self.patience.delay(self.failures, self.url))
+        self.failures += 1
+
+    def readinto(self, buffer) -> int:
+        while True:
+            try:
+                count = self.response.readinto(buffer)
+            except (OSError, ValueError) as error:  # reset, timeout, http.client.IncompleteRead
+                self.response.close()
+                self.wait(timeout_or_unreachable(error), f"read failed at byte {self.offset}: {error}")
+                self.response = self.connect()
+                continue
+            length = self.response.length  # None when the server sent no Content-Length
+            if count == 0 and length:  # the body ended early: continue it
+                self.response.close()
+                self.wait("broken_stream", f"the body ended at byte {self.offset}, {length} bytes short")
+                self.response = self.connect()
+                continue
+            self.offset += count
+            return count
+
+    def close(self) -> None:
+        if not self.closed:
+            self.response.close()
+        super().close()
+
+
+def timeout_or_unreachable(error: BaseException) -> str:
+    inner = getattr(error, "reason", error)
+    return "timeout" if isinstance(inner, (socket.timeout, TimeoutError)) else "unreachable"
+
+
+def netrc_authorization(url: str) -> str | None:
+    """A Basic ``Authorization`` header from ``~/.netrc`` (or ``$NETRC``) for the URL's host."""
+    import base64
+    import netrc
+
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(urlsplit(url).hostname or "")
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return None
+    if not entry:
+        return None
+    login, _, password = entry
+    return "Basic " + base64.b64encode(f"{login}:{password or ''}".encode()).decode()
+
+
+class PipeReader(io.RawIOBase):
+    """The standard output of ``command`` (run by the shell) as a stream. A read that waits longer
+    than ``timeout`` kills the command; a non-zero exit status fails the shard."""
+
+    def __init__(self, command: str, timeout: float) -> None:
+        self.command, self.timeout = command, timeout
+        import tempfile
+
+        # stderr to a file: a chatty command must not block on a full pipe nobody reads.
+        self.errors = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            command, shell=True, stdout=subprocess.PIPE, stderr=self.errors, start_new_session=True
+        )
+        self.fd = self.process.stdout.fileno()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        ready, _, _ = select.select([self.fd], [], [], self.timeout)
+        if not ready:
+            self.kill()
+            raise ShardUnavailable(f"pipe:{self.command}", "timeout", f"no output for {self.timeout:g} s")
+        data = os.read(self.fd, len(buffer))
+        if not data:
+            status = self.process.wait(timeout=self.timeout)
+            if status != 0:
+                self.errors.seek(0)
+                error = self.errors.read(2000).decode("utf-8", "replace").strip()
+                raise ShardUnavailable(f"pipe:{self.command}", "pipe_failed", f"exit status {status}: {error}")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def kill(self) -> None:
+        """The shell and what it started (its own session: ``aws s3 cp`` under ``sh -c``)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if not self.closed and self.process.poll() is None:
+            self.kill()  # stopped early (a segment ends mid-tar): the command is not needed
+        if not self.closed:
+            self.process.wait()
+            self.process.stdout.close()
+            self.errors.close()
+        super().close()

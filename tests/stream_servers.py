@@ -1,0 +1,164 @@
+"""Real servers on loopback for the streamed-shard tests and benchmarks/stream.py: an HTTP file
+server with misbehaving paths, and moto's standalone S3 server (skipped when moto is absent)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class ShardHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves ``server.root``; paths under ``/stall/`` send headers then nothing until
+    ``server.release`` is set, under ``/flaky/`` answer 500 to each file's first request, under
+    ``/cut/`` send each body's first half and close (Content-Length says the whole); supports
+    ``Range`` for ``/cut/`` resumption."""
+
+    def log_message(self, *args) -> None:  # quiet test output
+        pass
+
+    def translate_path(self, path: str) -> str:
+        path = path.split("?", 1)[0]
+        for prefix in ("/stall/", "/flaky/", "/cut/"):
+            if path.startswith(prefix):
+                path = "/" + path[len(prefix) :]
+        return str(Path(self.server.root) / path.lstrip("/"))
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        server = self.server
+        server.requests.append(self.path)
+        target = Path(self.translate_path(self.path))
+        if self.path.startswith("/flaky/") and self.path not in server.failed_once:
+            server.failed_once.add(self.path)
+            self.send_error(500, "try again")
+            return
+        if self.path.startswith("/stall/") and target.is_file():
+            self.send_response(200)
+            self.send_header("Content-Length", str(target.stat().st_size))
+            self.end_headers()
+            self.wfile.write(target.read_bytes()[:1024])
+            self.wfile.flush()
+            server.release.wait(60)
+            return
+        if self.path.startswith("/cut/") and target.is_file():
+            self.send_cut(target)
+            return
+        super().do_GET()
+
+    def send_cut(self, target: Path) -> None:
+        body = target.read_bytes()
+        start = int(self.headers.get("Range", "bytes=0-")[len("bytes=") :].rstrip("-") or 0)
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(body) - start))
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        self.end_headers()
+        if start == 0:  # the first attempt breaks off half-way; a Range request gets the rest
+            self.wfile.write(body[: len(body) // 2])
+            self.close_connection = True
+            return
+        self.wfile.write(body[start:])
+
+
+@contextlib.contextmanager
+def http_server(root: Path):
+    """A threaded HTTP server on 127.0.0.1 serving ``root``; yields its base URL's server object
+    (``.url``, ``.requests``, ``.release``)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ShardHandler)
+    server.daemon_threads = True
+    server.root, server.requests, server.failed_once = str(root), [], set()
+    server.release = threading.Event()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def moto_available() -> bool:
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str, files: dict[str, Path]):
+    """moto's standalone S3 server on loopback with ``bucket`` holding ``files`` ({key: path});
+    sets the AWS environment (dummy credentials, AWS_ENDPOINT_URL) while it runs."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    environment = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+    saved = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
+    try:
+        wait_for_port(port, process)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        for key, path in files.items():
+            client.upload_file(str(path), bucket, key)
+        yield endpoint
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def wait_for_port(port: int, process, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("moto's server exited at start")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("moto's server did not start")
+
+
+def copy_truncated(source: Path, target: Path, keep: float = 0.5) -> Path:
+    """A copy of the tar ``source`` cut at ``keep`` of its bytes (mid-member)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = source.read_bytes()
+    target.write_bytes(data[: int(len(data) * keep) + 100])
+    return target
+
+
+def copy_tree(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
