@@ -326,7 +326,8 @@ def evaluate(
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
 
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
-    (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
+    (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False, and listed
+    in the export's ``eval-index.json`` (:mod:`clipkit.eval.report_index`).
     ``quick_gelu``: a bare state dict's activation, as for :func:`convert`.
     """
     from clipkit.eval.evaluate import evaluate_export
@@ -338,15 +339,20 @@ def evaluate(
         report = evaluate_export(Path(export_dir), tasks, registry or default_registry(), options=options)
     report["summary"] = summarize(report["results"])
     if output is not None:
+        from clipkit.eval.report_index import record_report
+
         write_eval_report(report, Path(output), plots=plots)
+        record_report(Path(export_dir), Path(output), report)  # EXPORT/eval-index.json lists it
     return report
 
 
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
-    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an
-    ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots). A directory with
-    an ``eval.json`` but no ``metrics.jsonl`` (an evaluated baseline) joins only the eval table."""
-    from clipkit.eval.report import plot_loss_curves, read_eval_reports, write_comparison
+    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an eval report
+    (``eval.json``, else the newest in ``eval-index.json``), every eval result side by side
+    (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
+    baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
+    from clipkit.eval.report import plot_loss_curves, write_comparison
+    from clipkit.eval.report_index import eval_report_path, read_eval_reports
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
@@ -356,7 +362,7 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     curves = {
         label: run
         for label, run in zip(labels, runs, strict=True)
-        if (run / "metrics.jsonl").is_file() or not (run / "eval.json").is_file()
+        if (run / "metrics.jsonl").is_file() or eval_report_path(run) is None
     }
     written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
     evals = read_eval_reports(dict(zip(labels, runs, strict=True)))

@@ -315,14 +315,6 @@ def convert_command(
     typer.echo(f"converted {source} to {path} ({to})")
 
 
-def default_eval_output(source: Path) -> Path:
-    """EXPORT/eval.json; for a .safetensors file, FILE-eval/eval.json beside it (a run-like directory
-    `clipkit report` can compare)."""
-    if source.is_file():
-        return source.with_name(f"{source.stem}-eval") / "eval.json"
-    return source / "eval.json"
-
-
 @fails_cleanly
 def eval_command(
     export_dir: Annotated[
@@ -348,7 +340,10 @@ def eval_command(
     tasks_file: Annotated[
         Path, typer.Option("--tasks", help="YAML file with a list of eval tasks (a benchmark suite)")
     ] = None,
-    output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
+    output: Annotated[
+        Path,
+        typer.Option(help="JSON report path (default: a new EXPORT/eval-<tasks>-<data>-<time>.json)"),
+    ] = None,
     plots: Annotated[bool, typer.Option(help="Write PNG plots next to the JSON report")] = True,
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
@@ -362,7 +357,9 @@ def eval_command(
         given = (("data", data), ("label", label), ("dataset", dataset))
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
-    output = output or default_eval_output(export_dir)
+    from clipkit.eval.report_index import next_report_path
+
+    output = output or next_report_path(export_dir, tasks)
     report = api.evaluate(
         export_dir,
         tasks,

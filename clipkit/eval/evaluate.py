@@ -18,6 +18,7 @@ import torch
 from clipkit.data.shard import open_source
 from clipkit.data.transforms import decode_transformed
 from clipkit.errors import ClipkitError, DataError
+from clipkit.eval.metrics import topk_accuracy  # noqa: F401 — re-exported: eval plugins import it from here
 from clipkit.model import ContrastiveModel, build_slot
 from clipkit.registry import Registry
 from clipkit.types import PointSet, Sample, optional_member
@@ -111,13 +112,6 @@ def embed_points(model: ContrastiveModel, points: PointSet) -> tuple[torch.Tenso
     """
     vector = model.similarity.embed(points, generator=eval_generator(model))
     return (points.mean(), False) if vector is None else (vector, True)
-
-
-def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
-    """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
-    k = min(k, logits.shape[1])
-    hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
-    return float(hits.float().mean())
 
 
 def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:

@@ -19,14 +19,15 @@ from clipkit.errors import ClipkitError
 from clipkit.io import atomic_path, atomic_write_text
 
 #: Result keys that describe a task rather than measure it (never printed as metrics).
-DESCRIPTIVE = {"name", "data", "label", "dataset", "chance"}
+DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "baselines"}
 
-#: The result keys drawn as per-dataset bars.
-ACCURACY_KEYS = ("top1", "top5")
+#: The classification metrics averaged across datasets in a report's summary.
+ACCURACY_KEYS = ("top1", "top5", "mean_per_class_recall")
 
 
 def summarize(results: Sequence[dict]) -> dict[str, Any]:
-    """Averages across datasets: zero-shot and linear-probe top-1 (top-5 where all have it).
+    """Averages across datasets: zero-shot and linear-probe top-1 (top-5 and mean per-class recall
+    where all have them).
 
     The mean is over tasks (datasets / label sets), unweighted, as CLIP and the papers average.
     """
@@ -93,11 +94,20 @@ def number(value: float) -> str:
 
 
 def format_value(result: dict, key: str) -> str:
+    """A metric's value (± std) with its baselines and, for top-1 and mean per-class recall, its
+    ratio to the stronger baseline, named: ``0.2010 (0.93× majority class; uniform chance 0.0625,
+    majority class 0.2170 ('cat'))``. A result without ``baselines`` (older reports) keeps the old
+    ``× chance`` against its uniform ``chance``."""
+    from clipkit.eval.metrics import baseline_note, ratio_note
+
     value = result[key]
     std = result.get(f"{key}_std")
     text = number(value) + (f" ± {number(std)}" if isinstance(std, float) else "")
+    if isinstance(result.get("baselines"), dict):
+        notes = [note for note in (ratio_note(result, key), baseline_note(result, key)) if note]
+        return text + (f" ({'; '.join(notes)})" if notes else "")
     if key == "top1" and result.get("chance"):
-        text += f" ({value / result['chance']:.1f}× chance)"
+        text += f" ({value / result['chance']:.1f}× uniform chance)"
     return text
 
 
@@ -171,10 +181,17 @@ def plot_accuracy_bars(results: Sequence[dict], path: Path) -> Path | None:
     for x, row in zip(positions, rows, strict=True):
         if row.get("chance"):
             axes.hlines(row["chance"], x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1)
+        majority = ((row.get("baselines") or {}).get("majority") or {}).get("top1")
+        if isinstance(majority, float):
+            axes.hlines(majority, x - 0.4, x + 0.4, colors="red", linestyles="dotted", linewidth=1)
     axes.set_xticks(positions, [task_label(r) for r in rows], rotation=30, ha="right", fontsize=8)
     axes.set_ylabel("top-1 accuracy")
     axes.set_ylim(0, 1)
-    axes.set_title("top-1 per dataset (dashed: chance; blue zero-shot, green linear probe)", fontsize=9)
+    axes.set_title(
+        "top-1 per dataset (dashed: uniform chance, dotted red: majority class; "
+        "blue zero-shot, green linear probe)",
+        fontsize=8,
+    )
     return save_figure(figure, path)
 
 
@@ -251,19 +268,6 @@ def plot_loss_curves(runs: dict[str, Path], path: Path, metrics: Sequence[str] =
         axes.set_ylabel(metric)
         axes.legend(fontsize=7)
     return save_figure(figure, Path(path))
-
-
-def read_eval_reports(runs: dict[str, Path]) -> dict[str, dict]:
-    """label -> the ``eval.json`` of each run directory that has one."""
-    reports = {}
-    for label, run_dir in runs.items():
-        path = Path(run_dir) / "eval.json"
-        if path.is_file():
-            try:
-                reports[label] = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ClipkitError(f"{path}: not valid JSON ({error})") from None
-    return reports
 
 
 def comparison_rows(reports: dict[str, dict]) -> list[tuple[str, str, dict[str, str]]]:
