@@ -197,8 +197,12 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
         if section(recipe, "train").export and trainer.runtime.is_main:
             result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
             if recipe.get("eval"):
-                output = Path(run_dir) / "eval.json"
-                result.evals = evaluate(result.export_dir, None, registry=registry, output=output)["results"]
+                from clipkit.run_length import short_run_note
+
+                output, note = Path(run_dir) / "eval.json", short_run_note(metrics)
+                notes = [note] if note else []
+                report = evaluate(result.export_dir, None, registry=registry, output=output, notes=notes)
+                result.evals = report["results"]
                 events.evals(result.evals)
             plot_run(Path(run_dir))
     result.seconds = time.perf_counter() - started
@@ -321,6 +325,7 @@ def evaluate(
     plots: bool = True,
     verify: bool | None = None,
     quick_gelu: bool | None = None,
+    notes: list[str] | None = None,
 ) -> dict:
     """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
@@ -328,7 +333,8 @@ def evaluate(
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
     (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False, and listed
     in the export's ``eval-index.json`` (:mod:`clipkit.eval.report_index`).
-    ``quick_gelu``: a bare state dict's activation, as for :func:`convert`.
+    ``quick_gelu``: a bare state dict's activation, as for :func:`convert`. ``notes``: lines the
+    report carries above its table (e.g. that the run trained under one epoch).
     """
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
@@ -338,6 +344,8 @@ def evaluate(
         options = {"quick_gelu": quick_gelu}
         report = evaluate_export(Path(export_dir), tasks, registry or default_registry(), options=options)
     report["summary"] = summarize(report["results"])
+    if notes:
+        report["notes"] = list(notes)
     if output is not None:
         from clipkit.eval.report_index import record_report
 

@@ -207,6 +207,13 @@ def train_command(
     eval_data: Annotated[
         list[str], typer.Option(help="More data to evaluate on (retrieval; zero-shot with --label)")
     ] = None,
+    epochs: Annotated[
+        float,
+        typer.Option(
+            help="With --data: train this many epochs over your data (tiny variants: 10 by default, "
+            "at most 2000 steps); train.steps=N still wins"
+        ),
+    ] = None,
     report_to: Annotated[
         list[str],
         typer.Option(
@@ -228,16 +235,22 @@ def train_command(
     if data is not None or eval_data or label is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
-        from clipkit.own_data import own_data_overrides
+        from clipkit.own_data import is_synthetic, own_data_overrides
 
         recipe_eval = api.resolve(recipe, overrides or [], registry()).get("eval")
         extra, notes = own_data_overrides(
             data, holdout=holdout, label=label, eval_data=eval_data, recipe_eval=recipe_eval
         )
-        overrides = extra + list(overrides or [])
+        user_overrides = list(overrides or [])
+        overrides = extra + user_overrides
+        if data is not None and not is_synthetic(data):
+            overrides, line = own_data_length(recipe, overrides, user_overrides, epochs)
+            notes.append(line)
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
+    elif epochs is not None:
+        raise ClipkitError("--epochs counts passes over your --data; without it, set train.steps=N")
     overrides = list(overrides or [])
     if report_to:
         names = [name.strip() for item in report_to for name in item.split(",") if name.strip()]
@@ -255,6 +268,25 @@ def train_command(
         )
     if result.is_main:  # under `accelerate launch` only process 0 reports
         print_summary(result)
+
+
+def own_data_length(spec: str, overrides: list[str], user_overrides: list[str], epochs: float | None):
+    """(overrides with the run's ``train.steps`` sized by epochs over the user's data, the
+    ``N steps = E epochs of your M samples`` line): :mod:`clipkit.run_length`. The table is sharded
+    now (its sample count sets the steps); the user's own ``train.steps=N`` is kept as given."""
+    from clipkit import api, run_length
+
+    user_steps = run_length.sets_steps(user_overrides)
+    recipe = api.resolve(spec, overrides, registry())
+    length = run_length.plan(
+        recipe,
+        registry(),
+        epochs=None if user_steps else epochs,
+        by_default=run_length.sized_by_epochs(spec) and not user_steps,
+    )
+    # before the user's overrides, so an explicit train.steps (kept above) still wins
+    sized = [] if user_steps else [f"train.steps={length.steps}"]
+    return sized + overrides, run_length.plan_line(length)
 
 
 @fails_cleanly
@@ -586,6 +618,12 @@ def print_summary(result) -> None:
 
         print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
+    from clipkit.run_length import short_run_note
+
+    note = short_run_note(result.metrics)
+    if note:  # the last line, where it is read
+        typer.echo(f"note: {note}")
+    if result.evals:
         raise_if_failed(result.evals)
 
 

@@ -122,12 +122,9 @@ def metric_rows(result: dict) -> list[tuple[str, str]]:
 
 def markdown_table(report: dict) -> str:
     """The report as Markdown: one row per (task, metric), then the cross-dataset averages."""
-    lines = [
-        f"# Evaluation of `{report.get('export', '?')}`",
-        "",
-        "| task | metric | value |",
-        "| --- | --- | --- |",
-    ]
+    lines = [f"# Evaluation of `{report.get('export', '?')}`", ""]
+    lines += [f"**Note:** {note}\n" for note in report.get("notes") or []]
+    lines += ["| task | metric | value |", "| --- | --- | --- |"]
     for result in report.get("results", []):
         name = task_label(result)
         if result.get("failed"):
