@@ -326,6 +326,7 @@ def evaluate(
     verify: bool | None = None,
     quick_gelu: bool | None = None,
     notes: list[str] | None = None,
+    skip_missing: bool = False,
 ) -> dict:
     """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
@@ -334,7 +335,8 @@ def evaluate(
     (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False, and listed
     in the export's ``eval-index.json`` (:mod:`clipkit.eval.report_index`).
     ``quick_gelu``: a bare state dict's activation, as for :func:`convert`. ``notes``: lines the
-    report carries above its table (e.g. that the run trained under one epoch).
+    report carries above its table (e.g. that the run trained under one epoch). ``skip_missing``:
+    list a suite's tasks whose data is not here instead of refusing (:mod:`clipkit.eval.suite`).
     """
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
@@ -342,7 +344,13 @@ def evaluate(
 
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}
-        report = evaluate_export(Path(export_dir), tasks, registry or default_registry(), options=options)
+        report = evaluate_export(
+            Path(export_dir),
+            tasks,
+            registry or default_registry(),
+            options=options,
+            skip_missing=skip_missing,
+        )
     report["summary"] = summarize(report["results"])
     if notes:
         report["notes"] = list(notes)
@@ -360,7 +368,7 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
     baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
     from clipkit.eval.report import plot_loss_curves, write_comparison
-    from clipkit.eval.report_index import eval_report_path, read_eval_reports
+    from clipkit.eval.report_index import read_eval_report, read_eval_reports
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
@@ -370,7 +378,7 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     curves = {
         label: run
         for label, run in zip(labels, runs, strict=True)
-        if (run / "metrics.jsonl").is_file() or eval_report_path(run) is None
+        if (run / "metrics.jsonl").is_file() or read_eval_report(run) is None
     }
     written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
     evals = read_eval_reports(dict(zip(labels, runs, strict=True)))

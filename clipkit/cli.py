@@ -363,14 +363,19 @@ def eval_command(
             autocompletion=eval_task_names,
         ),
     ] = None,
-    data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
+    data: Annotated[
+        str, typer.Option(help="Data URI or shard directory for --task; with --tasks alone, the suite's root")
+    ] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
     dataset: Annotated[
         str, typer.Option(help="Standard dataset whose class names and prompts zero_shot uses (e.g. cifar10)")
     ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
     tasks_file: Annotated[
-        Path, typer.Option("--tasks", help="YAML file with a list of eval tasks (a benchmark suite)")
+        Path,
+        typer.Option(
+            "--tasks", help="YAML file with a list of eval tasks (a benchmark suite, e.g. docs/datacomp.yaml)"
+        ),
     ] = None,
     output: Annotated[
         Path,
@@ -383,7 +388,10 @@ def eval_command(
     """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
     from clipkit import api
 
-    tasks = read_tasks_file(tasks_file) if tasks_file is not None else None
+    tasks, skip_missing = None, False
+    if tasks_file is not None:
+        suite_root = data if task is None else None  # --data with --tasks alone: the suite's root
+        tasks, skip_missing = read_tasks_file(tasks_file, suite_root)
     if task is not None:
         config = {"name": task, **dict(parse_pairs(set_ or [], typed=True))}
         given = (("data", data), ("label", label), ("dataset", dataset))
@@ -400,8 +408,14 @@ def eval_command(
         plots=plots,
         verify=not no_verify,
         quick_gelu=quick_gelu,
+        skip_missing=skip_missing,
     )
     print_evals(report["results"], report.get("summary"))
+    from clipkit.eval.suite import skipped_summary
+
+    skipped = skipped_summary(report["results"], len(tasks or []))
+    if skipped:
+        typer.echo(skipped)
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
     raise_if_failed(report["results"])
 
@@ -417,10 +431,12 @@ def raise_if_failed(results: list[dict]) -> None:
         raise ClipkitError(f"{len(failed)} of {len(results)} eval task(s) failed: {reasons}")
 
 
-def read_tasks_file(path: Path) -> list[dict]:
-    """A YAML list of eval tasks, or a mapping with an ``eval:`` list (a recipe works too)."""
+def read_tasks_file(path: Path, root: str | None = None) -> tuple[list[dict], bool]:
+    """(tasks, skip missing) of a YAML list of eval tasks, or a mapping with an ``eval:`` list (a
+    recipe works too; a suite may set ``root:`` — replaced by ``root`` here — and ``missing: skip``,
+    see :mod:`clipkit.eval.suite`)."""
     import yaml
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from clipkit.artifacts import one_line, read_text, yaml_problem
@@ -428,7 +444,14 @@ def read_tasks_file(path: Path) -> list[dict]:
 
     text = read_text(path, "tasks file")
     try:
-        loaded = resolve_interpolations(OmegaConf.create(text or "[]"), str(path))
+        config = OmegaConf.create(text or "[]")
+        if root is not None:
+            if not isinstance(config, DictConfig) or "root" not in config:
+                raise ClipkitError(
+                    f"{path}: --data with --tasks sets the suite's `root:`, which this file has not"
+                )
+            config.root = str(root)
+        loaded = resolve_interpolations(config, str(path))
     except yaml.MarkedYAMLError as error:
         raise ClipkitError(f"{path}: tasks file is not valid YAML ({yaml_problem(error)})") from error
     except (yaml.YAMLError, OmegaConfBaseException) as error:
@@ -436,12 +459,20 @@ def read_tasks_file(path: Path) -> list[dict]:
     tasks = loaded.get("eval") if isinstance(loaded, dict) else loaded
     if not isinstance(tasks, list) or not all(isinstance(t, dict) and "name" in t for t in tasks):
         raise ClipkitError(f"{path}: expected a list of tasks like `- {{name: zero_shot, data: ...}}`")
-    return tasks
+    missing = loaded.get("missing", "refuse") if isinstance(loaded, dict) else "refuse"
+    if missing not in ("skip", "refuse"):
+        raise ClipkitError(f"{path}: missing: must be skip or refuse, got {missing!r}")
+    return tasks, missing == "skip"
 
 
 @fails_cleanly
 def report_command(
-    runs: Annotated[list[Path], typer.Argument(help="Run directories to compare (metrics.jsonl, eval.json)")],
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run or export directories, eval reports, or CLIP_benchmark result JSONs to compare"
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Directory for loss.png, eval.json/.md and plots")] = Path(
         "report"
     ),
@@ -638,6 +669,9 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
         task = escape(task_label(result))  # labels hold [split]s, which rich would read as markup
         if result.get("failed"):
             table.add_row(task, "[red]failed[/red]", escape(result["failed"]))
+        for key in ("missing", "not_run"):
+            if result.get(key):
+                table.add_row(task, f"[yellow]{key.replace('_', ' ')}[/yellow]", escape(result[key]))
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once

@@ -100,6 +100,11 @@ def test_eval_zero_shot_on_a_table_needs_no_class_list(table, export, tmp_path):
     assert "uniform chance 0.3333" in table_text and "× chance" not in table_text
 
 
+def reports_of(export):
+    """clipkit's own reports in ``export`` (not the CLIP_benchmark result files beside them)."""
+    return sorted(p for p in export.glob("eval-zero_shot-*.json") if "-clip_benchmark-" not in p.name)
+
+
 def test_a_second_eval_keeps_the_first_report(table, export):
     """No --output: each eval writes a new EXPORT/eval-<task>-<data>-<time>.json and lists it in
     EXPORT/eval-index.json; the first report is kept, byte for byte."""
@@ -116,12 +121,12 @@ def test_a_second_eval_keeps_the_first_report(table, export):
     ]
     first = CliRunner().invoke(make_app(), args)
     assert first.exit_code == 0, first.output
-    (report,) = export.glob("eval-zero_shot-*.json")
+    (report,) = reports_of(export)
     assert report.name.startswith("eval-zero_shot-") and "colours.jsonl" in report.name
     kept = report.read_bytes()
     second = CliRunner().invoke(make_app(), args)
     assert second.exit_code == 0, second.output
-    reports = sorted(p for p in export.glob("eval-zero_shot-*.json"))
+    reports = reports_of(export)
     assert len(reports) == 2 and report.read_bytes() == kept
     index = json.loads((export / "eval-index.json").read_text())["reports"]
     assert [entry["report"] for entry in index] == [report.name, next(p.name for p in reports if p != report)]

@@ -78,7 +78,10 @@ def short_data_name(data: str) -> str:
 def task_label(result: dict) -> str:
     """A short name for one result row: task, data (file and split; with the standard ``dataset``
     named first when there is one), and label."""
-    where = short_data_name(str(result.get("data", "")))
+    from clipkit.eval.clip_benchmark import wds_dataset
+
+    # CLIP_benchmark's wds layout: its dataset name, so clipkit's rows meet its published ones
+    where = wds_dataset(result.get("data")) or short_data_name(str(result.get("data", "")))
     dataset = result.get("dataset")
     if dataset:
         where = dataset if not result.get("data") else f"{dataset} {where}"
@@ -129,6 +132,9 @@ def markdown_table(report: dict) -> str:
         name = task_label(result)
         if result.get("failed"):
             lines.append(f"| {name} | **failed** | {result['failed']} |")
+        for key in ("missing", "not_run"):  # a suite's task with no data here, or none clipkit runs
+            if result.get(key):
+                lines.append(f"| {name} | {key.replace('_', ' ')} | {result[key]} |")
         for metric, value in metric_rows(result):
             lines.append(f"| {name} | {metric} | {value} |")
             name = ""
@@ -212,13 +218,18 @@ def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
 
 
 def write_eval_report(report: dict, json_path: Path, *, plots: bool = True) -> list[Path]:
-    """Write ``json_path`` (the report with its summary), the .md beside it, and the PNGs."""
+    """Write ``json_path`` (the report with its summary), the .md beside it, a CLIP_benchmark result
+    file per zero-shot / linear-probe / retrieval result (:mod:`clipkit.eval.clip_benchmark`), and
+    the PNGs."""
     json_path = Path(json_path)
     report = {**report, "summary": summarize(report.get("results", []))}
     atomic_write_text(json_path, json.dumps(report, indent=2, default=_jsonable) + "\n")
     markdown = json_path.with_suffix(".md")
     atomic_write_text(markdown, markdown_table(report))
     written = [json_path, markdown]
+    from clipkit.eval.clip_benchmark import write_results
+
+    written += write_results(report, json_path, short_data_name)  # CLIP_benchmark's schema, one per task
     if plots:
         stem = json_path.with_suffix("")
         results = report.get("results", [])

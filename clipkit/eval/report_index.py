@@ -117,14 +117,32 @@ def eval_report_path(run: Path) -> Path | None:
     return newest_report(run) if run.is_dir() else None
 
 
+def read_eval_report(run: Path) -> dict | None:
+    """The eval report of ``run``: a run or export directory's (:func:`eval_report_path`), a clipkit
+    report file, or CLIP_benchmark result files (one, or a folder of them) read as a report
+    (:func:`clipkit.eval.clip_benchmark.read_as_report`); None when it has none."""
+    from clipkit.eval.clip_benchmark import is_benchmark_result, read_as_report
+
+    run = Path(run)
+    path = run if run.is_file() else eval_report_path(run)
+    if path is None:
+        return read_as_report(run)
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ClipkitError(f"{path}: not valid JSON ({error})") from None
+    if is_benchmark_result(report):
+        return read_as_report(path)
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+        raise ClipkitError(f"{path}: neither a clipkit eval report nor a CLIP_benchmark result")
+    return report
+
+
 def read_eval_reports(runs: dict[str, Path]) -> dict[str, dict]:
-    """label -> the eval report (:func:`eval_report_path`) of each run directory that has one."""
+    """label -> the eval report (:func:`read_eval_report`) of each run that has one."""
     reports = {}
-    for label, run_dir in runs.items():
-        path = eval_report_path(Path(run_dir))
-        if path is not None:
-            try:
-                reports[label] = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ClipkitError(f"{path}: not valid JSON ({error})") from None
+    for label, run in runs.items():
+        report = read_eval_report(Path(run))
+        if report is not None:
+            reports[label] = report
     return reports
