@@ -50,6 +50,11 @@ def test_plan_line_and_short_run_note():
     assert short_run_note({"epoch": 1.0}) is None and short_run_note({}) is None
 
 
+def test_epochs_without_data_is_refused():
+    outcome = CliRunner().invoke(make_app(), ["train", "clip@tiny", "--epochs", "3"])
+    assert outcome.exit_code == 2 and "--epochs counts passes over your --data" in outcome.output
+
+
 @pytest.mark.slow
 def test_own_data_run_lasts_epochs_and_a_short_one_says_so(in_tmp):
     """`clipkit train clip@tiny --data TABLE`: 10 epochs over the training rows, said at the start;

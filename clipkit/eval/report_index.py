@@ -34,12 +34,14 @@ def report_slug(tasks: list[dict] | None) -> str:
     """``zero_shot-cifar10-test`` from the tasks' names and data; ``recipe`` for the recipe's own tasks."""
     if not tasks:
         return "recipe"
+    from clipkit.eval.clip_benchmark import wds_dataset
     from clipkit.eval.report import short_data_name
 
     parts: list[str] = []
     for task in tasks:
         parts.append(str(task.get("name", "task")))
-        data = task.get("dataset") or (short_data_name(str(task["data"])) if task.get("data") else "")
+        data = task.get("dataset") or wds_dataset(task.get("data"))
+        data = data or (short_data_name(str(task["data"])) if task.get("data") else "")
         if data:
             parts.append(str(data))
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", "-".join(parts)).strip("-.")
