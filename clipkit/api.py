@@ -8,6 +8,7 @@ Usable from Python too::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -358,7 +359,12 @@ def evaluate(
         from clipkit.eval.report_index import record_report
 
         write_eval_report(report, Path(output), plots=plots)
-        record_report(Path(export_dir), Path(output), report)  # EXPORT/eval-index.json lists it
+        try:
+            record_report(Path(export_dir), Path(output), report)  # EXPORT/eval-index.json lists it
+        except (OSError, ClipkitError) as error:  # a read-only baseline folder: the report stands
+            logging.getLogger("clipkit.eval").warning(
+                "the report index beside %s was not updated: %s", export_dir, error
+            )
     return report
 
 
