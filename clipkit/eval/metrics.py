@@ -37,7 +37,7 @@ def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
     """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
     k = min(k, logits.shape[1])
     hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
-    return float(hits.float().mean())
+    return float(hits.double().mean())  # float64: 0.105, not 0.10499999672
 
 
 def mean_per_class_recall(predictions: torch.Tensor, labels: torch.Tensor) -> float:
