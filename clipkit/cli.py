@@ -275,6 +275,7 @@ def own_data_length(spec: str, overrides: list[str], user_overrides: list[str], 
     ``N steps = E epochs of your M samples`` line): :mod:`clipkit.run_length`. The table is sharded
     now (its sample count sets the steps); the user's own ``train.steps=N`` is kept as given."""
     from clipkit import api, run_length
+    from clipkit.recipe import section
 
     user_steps = run_length.sets_steps(user_overrides)
     recipe = api.resolve(spec, overrides, registry())
@@ -284,6 +285,8 @@ def own_data_length(spec: str, overrides: list[str], user_overrides: list[str], 
         epochs=None if user_steps else epochs,
         by_default=run_length.sized_by_epochs(spec) and not user_steps,
     )
+    if length is None:
+        return overrides, run_length.UNSIZED_NOTE.format(steps=section(recipe, "train").steps)
     # before the user's overrides, so an explicit train.steps (kept above) still wins
     sized = [] if user_steps else [f"train.steps={length.steps}"]
     return sized + overrides, run_length.plan_line(length)

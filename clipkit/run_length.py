@@ -17,8 +17,10 @@ run then finds the shards made).
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from clipkit.errors import ClipkitError
 
@@ -73,26 +75,35 @@ def training_batch(recipe: dict, num_samples: int) -> int:
     return min(batch, num_samples) if data.fit_batch and num_samples >= 2 else batch
 
 
-def count_training_samples(recipe: dict, registry) -> int:
+def count_training_samples(recipe: dict, registry) -> int | None:
     """The samples training sees of ``recipe``'s data: its shards (made from ``data.source`` now,
-    when missing) less the held-out split."""
+    when missing) less the held-out split. None under several processes when the shards are not
+    made yet: every process runs this before any can wait for another, so none may shard here
+    (process 0 shards during training, as without ``--data``)."""
     from clipkit.data.loader import training_split
+    from clipkit.data.shard import MANIFEST
     from clipkit.data.shard_writer import ensure_shards
     from clipkit.recipe import section
     from clipkit.train.build import check_data_location, shard_target
 
     data = section(recipe, "data")
     check_data_location(recipe, registry)  # the same refusals as training's, before anything is written
-    shards = ensure_shards(shard_target(data), data.source, pm=registry.pm)
+    target = shard_target(data)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (Path(target) / MANIFEST).is_file():
+        return None
+    shards = ensure_shards(target, data.source, pm=registry.pm)
     return training_split(shards, data.holdout).num_samples
 
 
-def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> RunLength:
+def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> RunLength | None:
     """The run's length on its data: ``epochs`` when given, :data:`DEFAULT_EPOCHS` (capped) when
-    ``by_default``, else the recipe's ``train.steps``."""
+    ``by_default``, else the recipe's ``train.steps``; None when the data cannot be counted before
+    training (:func:`count_training_samples`)."""
     from clipkit.recipe import section
 
     num_samples = count_training_samples(recipe, registry)
+    if num_samples is None:
+        return None
     if num_samples < 1:
         raise ClipkitError("--data: no sample is left to train on after the held-out split")
     batch = training_batch(recipe, num_samples)
@@ -114,6 +125,13 @@ def plan_line(length: RunLength) -> str:
     if length.epochs < 1:
         text += " — under one epoch: the model will not see all its data once"
     return text
+
+
+#: What the start of a run says when it cannot be sized by epochs (several processes, a table).
+UNSIZED_NOTE = (
+    "train: {steps} steps (the recipe's): under several processes a table is sharded during training, "
+    "so its run is not sized by epochs; shard it first (clipkit shard TABLE DIR) and pass --data DIR"
+)
 
 
 def short_run_note(metrics: dict) -> str | None:

@@ -50,6 +50,26 @@ def test_plan_line_and_short_run_note():
     assert short_run_note({"epoch": 1.0}) is None and short_run_note({}) is None
 
 
+def test_several_processes_never_shard_before_training(in_tmp, monkeypatch, registry):
+    """Under a launcher every process runs the sizing before any can wait for another: a table not
+    yet sharded keeps the recipe's steps (process 0 shards it during training); shards made
+    before the launch are counted."""
+    from clipkit import api
+    from clipkit.run_length import plan
+
+    table = write_drawings(in_tmp, n=40)
+    overrides = [f"data.source={in_tmp / table}", f"data.shards={in_tmp / 'shards'}"]
+    recipe = api.resolve("clip@tiny", overrides, registry)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert plan(recipe, registry, epochs=None, by_default=True) is None
+    assert not (in_tmp / "shards").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    length = plan(recipe, registry, epochs=2, by_default=True)
+    assert (length.num_samples, length.batch_size, length.steps) == (40, 40, 2)  # fit_batch: 40 rows
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert plan(recipe, registry, epochs=2, by_default=True).steps == 2  # shards there: counted
+
+
 def test_epochs_without_data_is_refused():
     outcome = CliRunner().invoke(make_app(), ["train", "clip@tiny", "--epochs", "3"])
     assert outcome.exit_code == 2 and "--epochs counts passes over your --data" in outcome.output
