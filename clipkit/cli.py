@@ -246,6 +246,8 @@ def train_command(
         if data is not None and not is_synthetic(data):
             overrides, line = own_data_length(recipe, overrides, user_overrides, epochs)
             notes.append(line)
+        elif epochs is not None:
+            raise ClipkitError("--epochs counts passes over your own --data; synthetic data: set train.steps")
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
