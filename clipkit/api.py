@@ -8,6 +8,7 @@ Usable from Python too::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,8 +198,12 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
         if section(recipe, "train").export and trainer.runtime.is_main:
             result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
             if recipe.get("eval"):
-                output = Path(run_dir) / "eval.json"
-                result.evals = evaluate(result.export_dir, None, registry=registry, output=output)["results"]
+                from clipkit.run_length import short_run_note
+
+                output, note = Path(run_dir) / "eval.json", short_run_note(metrics)
+                notes = [note] if note else []
+                report = evaluate(result.export_dir, None, registry=registry, output=output, notes=notes)
+                result.evals = report["results"]
                 events.evals(result.evals)
             plot_run(Path(run_dir))
     result.seconds = time.perf_counter() - started
@@ -321,13 +326,18 @@ def evaluate(
     plots: bool = True,
     verify: bool | None = None,
     quick_gelu: bool | None = None,
+    notes: list[str] | None = None,
+    skip_missing: bool = False,
 ) -> dict:
     """Run eval tasks (default: the export's recipe's) on an export, or on an open_clip / Hugging
     Face CLIP directory or OpenAI-layout ``.safetensors`` file (converted in memory).
 
     With ``output`` (a .json path) the report is written there, with a Markdown table beside it
-    (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False.
-    ``quick_gelu``: a bare state dict's activation, as for :func:`convert`.
+    (.md) and PNG plots (``-accuracy.png``, ``-recall.png``) unless ``plots`` is False, and listed
+    in the export's ``eval-index.json`` (:mod:`clipkit.eval.report_index`).
+    ``quick_gelu``: a bare state dict's activation, as for :func:`convert`. ``notes``: lines the
+    report carries above its table (e.g. that the run trained under one epoch). ``skip_missing``:
+    list a suite's tasks whose data is not here instead of refusing (:mod:`clipkit.eval.suite`).
     """
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
@@ -335,18 +345,36 @@ def evaluate(
 
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}
-        report = evaluate_export(Path(export_dir), tasks, registry or default_registry(), options=options)
+        report = evaluate_export(
+            Path(export_dir),
+            tasks,
+            registry or default_registry(),
+            options=options,
+            skip_missing=skip_missing,
+        )
     report["summary"] = summarize(report["results"])
+    if notes:
+        report["notes"] = list(notes)
     if output is not None:
+        from clipkit.eval.report_index import record_report
+
         write_eval_report(report, Path(output), plots=plots)
+        try:
+            record_report(Path(export_dir), Path(output), report)  # EXPORT/eval-index.json lists it
+        except (OSError, ClipkitError) as error:  # a read-only baseline folder: the report stands
+            logging.getLogger("clipkit.eval").warning(
+                "the report index beside %s was not updated: %s", export_dir, error
+            )
     return report
 
 
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
-    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an
-    ``eval.json``, every eval result side by side (``out``/eval.json, .md, plots). A directory with
-    an ``eval.json`` but no ``metrics.jsonl`` (an evaluated baseline) joins only the eval table."""
-    from clipkit.eval.report import plot_loss_curves, read_eval_reports, write_comparison
+    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an eval report
+    (``eval.json``, else the newest in ``eval-index.json``), every eval result side by side
+    (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
+    baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
+    from clipkit.eval.report import plot_loss_curves, write_comparison
+    from clipkit.eval.report_index import read_eval_report, read_eval_reports
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
@@ -356,7 +384,7 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     curves = {
         label: run
         for label, run in zip(labels, runs, strict=True)
-        if (run / "metrics.jsonl").is_file() or not (run / "eval.json").is_file()
+        if (run / "metrics.jsonl").is_file() or read_eval_report(run) is None
     }
     written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
     evals = read_eval_reports(dict(zip(labels, runs, strict=True)))

@@ -207,6 +207,13 @@ def train_command(
     eval_data: Annotated[
         list[str], typer.Option(help="More data to evaluate on (retrieval; zero-shot with --label)")
     ] = None,
+    epochs: Annotated[
+        float,
+        typer.Option(
+            help="With --data: train this many epochs over your data (tiny variants: 10 by default, "
+            "at most 2000 steps); train.steps=N still wins"
+        ),
+    ] = None,
     report_to: Annotated[
         list[str],
         typer.Option(
@@ -228,16 +235,24 @@ def train_command(
     if data is not None or eval_data or label is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
-        from clipkit.own_data import own_data_overrides
+        from clipkit.own_data import is_synthetic, own_data_overrides
 
         recipe_eval = api.resolve(recipe, overrides or [], registry()).get("eval")
         extra, notes = own_data_overrides(
             data, holdout=holdout, label=label, eval_data=eval_data, recipe_eval=recipe_eval
         )
-        overrides = extra + list(overrides or [])
+        user_overrides = list(overrides or [])
+        overrides = extra + user_overrides
+        if data is not None and not is_synthetic(data):
+            overrides, line = own_data_length(recipe, overrides, user_overrides, epochs)
+            notes.append(line)
+        elif epochs is not None:
+            raise ClipkitError("--epochs counts passes over your own --data; synthetic data: set train.steps")
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
+    elif epochs is not None:
+        raise ClipkitError("--epochs counts passes over your --data; without it, set train.steps=N")
     overrides = list(overrides or [])
     if report_to:
         names = [name.strip() for item in report_to for name in item.split(",") if name.strip()]
@@ -255,6 +270,28 @@ def train_command(
         )
     if result.is_main:  # under `accelerate launch` only process 0 reports
         print_summary(result)
+
+
+def own_data_length(spec: str, overrides: list[str], user_overrides: list[str], epochs: float | None):
+    """(overrides with the run's ``train.steps`` sized by epochs over the user's data, the
+    ``N steps = E epochs of your M samples`` line): :mod:`clipkit.run_length`. The table is sharded
+    now (its sample count sets the steps); the user's own ``train.steps=N`` is kept as given."""
+    from clipkit import api, run_length
+    from clipkit.recipe import section
+
+    user_steps = run_length.sets_steps(user_overrides)
+    recipe = api.resolve(spec, overrides, registry())
+    length = run_length.plan(
+        recipe,
+        registry(),
+        epochs=None if user_steps else epochs,
+        by_default=run_length.sized_by_epochs(spec) and not user_steps,
+    )
+    if length is None:
+        return overrides, run_length.UNSIZED_NOTE.format(steps=section(recipe, "train").steps)
+    # before the user's overrides, so an explicit train.steps (kept above) still wins
+    sized = [] if user_steps else [f"train.steps={length.steps}"]
+    return sized + overrides, run_length.plan_line(length)
 
 
 @fails_cleanly
@@ -315,14 +352,6 @@ def convert_command(
     typer.echo(f"converted {source} to {path} ({to})")
 
 
-def default_eval_output(source: Path) -> Path:
-    """EXPORT/eval.json; for a .safetensors file, FILE-eval/eval.json beside it (a run-like directory
-    `clipkit report` can compare)."""
-    if source.is_file():
-        return source.with_name(f"{source.stem}-eval") / "eval.json"
-    return source / "eval.json"
-
-
 @fails_cleanly
 def eval_command(
     export_dir: Annotated[
@@ -339,16 +368,24 @@ def eval_command(
             autocompletion=eval_task_names,
         ),
     ] = None,
-    data: Annotated[str, typer.Option(help="Data URI or shard directory for --task")] = None,
+    data: Annotated[
+        str, typer.Option(help="Data URI or shard directory for --task; with --tasks alone, the suite's root")
+    ] = None,
     label: Annotated[str, typer.Option(help="Meta-data key with the class (zero_shot)")] = None,
     dataset: Annotated[
         str, typer.Option(help="Standard dataset whose class names and prompts zero_shot uses (e.g. cifar10)")
     ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra task argument key=value")] = None,
     tasks_file: Annotated[
-        Path, typer.Option("--tasks", help="YAML file with a list of eval tasks (a benchmark suite)")
+        Path,
+        typer.Option(
+            "--tasks", help="YAML file with a list of eval tasks (a benchmark suite, e.g. docs/datacomp.yaml)"
+        ),
     ] = None,
-    output: Annotated[Path, typer.Option(help="JSON report path (default: EXPORT/eval.json)")] = None,
+    output: Annotated[
+        Path,
+        typer.Option(help="JSON report path (default: a new EXPORT/eval-<tasks>-<data>-<time>.json)"),
+    ] = None,
     plots: Annotated[bool, typer.Option(help="Write PNG plots next to the JSON report")] = True,
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
@@ -356,13 +393,18 @@ def eval_command(
     """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
     from clipkit import api
 
-    tasks = read_tasks_file(tasks_file) if tasks_file is not None else None
+    tasks, skip_missing = None, False
+    if tasks_file is not None:
+        suite_root = data if task is None else None  # --data with --tasks alone: the suite's root
+        tasks, skip_missing = read_tasks_file(tasks_file, suite_root)
     if task is not None:
         config = {"name": task, **dict(parse_pairs(set_ or [], typed=True))}
         given = (("data", data), ("label", label), ("dataset", dataset))
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
-    output = output or default_eval_output(export_dir)
+    from clipkit.eval.report_index import next_report_path
+
+    output = output or next_report_path(export_dir, tasks)
     report = api.evaluate(
         export_dir,
         tasks,
@@ -371,8 +413,14 @@ def eval_command(
         plots=plots,
         verify=not no_verify,
         quick_gelu=quick_gelu,
+        skip_missing=skip_missing,
     )
     print_evals(report["results"], report.get("summary"))
+    from clipkit.eval.suite import skipped_summary
+
+    skipped = skipped_summary(report["results"], len(tasks or []))
+    if skipped:
+        typer.echo(skipped)
     typer.echo(f"report written to {output} (+ {output.with_suffix('.md').name}{', plots' if plots else ''})")
     raise_if_failed(report["results"])
 
@@ -388,10 +436,12 @@ def raise_if_failed(results: list[dict]) -> None:
         raise ClipkitError(f"{len(failed)} of {len(results)} eval task(s) failed: {reasons}")
 
 
-def read_tasks_file(path: Path) -> list[dict]:
-    """A YAML list of eval tasks, or a mapping with an ``eval:`` list (a recipe works too)."""
+def read_tasks_file(path: Path, root: str | None = None) -> tuple[list[dict], bool]:
+    """(tasks, skip missing) of a YAML list of eval tasks, or a mapping with an ``eval:`` list (a
+    recipe works too; a suite may set ``root:`` — replaced by ``root`` here — and ``missing: skip``,
+    see :mod:`clipkit.eval.suite`)."""
     import yaml
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from clipkit.artifacts import one_line, read_text, yaml_problem
@@ -399,7 +449,14 @@ def read_tasks_file(path: Path) -> list[dict]:
 
     text = read_text(path, "tasks file")
     try:
-        loaded = resolve_interpolations(OmegaConf.create(text or "[]"), str(path))
+        config = OmegaConf.create(text or "[]")
+        if root is not None:
+            if not isinstance(config, DictConfig) or "root" not in config:
+                raise ClipkitError(
+                    f"{path}: --data with --tasks sets the suite's `root:`, which this file has not"
+                )
+            config.root = str(root)
+        loaded = resolve_interpolations(config, str(path))
     except yaml.MarkedYAMLError as error:
         raise ClipkitError(f"{path}: tasks file is not valid YAML ({yaml_problem(error)})") from error
     except (yaml.YAMLError, OmegaConfBaseException) as error:
@@ -407,12 +464,20 @@ def read_tasks_file(path: Path) -> list[dict]:
     tasks = loaded.get("eval") if isinstance(loaded, dict) else loaded
     if not isinstance(tasks, list) or not all(isinstance(t, dict) and "name" in t for t in tasks):
         raise ClipkitError(f"{path}: expected a list of tasks like `- {{name: zero_shot, data: ...}}`")
-    return tasks
+    missing = loaded.get("missing", "refuse") if isinstance(loaded, dict) else "refuse"
+    if missing not in ("skip", "refuse"):
+        raise ClipkitError(f"{path}: missing: must be skip or refuse, got {missing!r}")
+    return tasks, missing == "skip"
 
 
 @fails_cleanly
 def report_command(
-    runs: Annotated[list[Path], typer.Argument(help="Run directories to compare (metrics.jsonl, eval.json)")],
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run or export directories, eval reports, or CLIP_benchmark result JSONs to compare"
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Directory for loss.png, eval.json/.md and plots")] = Path(
         "report"
     ),
@@ -589,6 +654,12 @@ def print_summary(result) -> None:
 
         print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
+    from clipkit.run_length import short_run_note
+
+    note = short_run_note(result.metrics)
+    if note:  # the last line, where it is read
+        typer.echo(f"note: {note}")
+    if result.evals:
         raise_if_failed(result.evals)
 
 
@@ -603,6 +674,9 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
         task = escape(task_label(result))  # labels hold [split]s, which rich would read as markup
         if result.get("failed"):
             table.add_row(task, "[red]failed[/red]", escape(result["failed"]))
+        for key in ("missing", "not_run"):
+            if result.get(key):
+                table.add_row(task, f"[yellow]{key.replace('_', ' ')}[/yellow]", escape(result[key]))
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once

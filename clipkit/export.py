@@ -44,7 +44,17 @@ EXPORT_OUTPUT = OutputKind(
     # recipe.yaml: what `clipkit convert --to clipkit` writes beside the export (a run's own recipe.yaml
     # is protected separately: an export is never written over its run).
     "export",
-    (WEIGHTS, METADATA, "tokenizer-*", "recipe.yaml", "eval.json", "eval.md", "eval-*.png"),
+    (
+        WEIGHTS,
+        METADATA,
+        "tokenizer-*",
+        "recipe.yaml",
+        "eval.json",
+        "eval.md",
+        "eval-*.png",
+        "eval-*.json",
+        "eval-*.md",
+    ),  # eval-*: `clipkit eval`'s reports and their eval-index.json
     marker=METADATA,
 )
 MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")

@@ -241,8 +241,8 @@ def test_summary_averages_over_datasets():
 
 def test_markdown_table_folds_std_and_chance():
     text = markdown_table({**_report(), "summary": summarize(_report()["results"])})
-    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5.0× chance) |" in text
-    assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× chance) |" in text
+    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5.0× uniform chance) |" in text
+    assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× uniform chance) |" in text
     assert "| zero_shot_top1_mean | 0.4000 |" in text
     assert "top1_std" not in text and "chance |" not in text
 
@@ -261,7 +261,16 @@ def test_scores_over_too_few_samples_carry_a_warning_into_the_report():
 def test_write_eval_report_writes_json_markdown_and_plots(tmp_path):
     written = write_eval_report(_report(), tmp_path / "eval.json")
     names = sorted(p.name for p in written)
-    assert names == ["eval-accuracy.png", "eval-recall.png", "eval.json", "eval.md"]
+    assert names == [
+        "eval-accuracy.png",
+        # one CLIP_benchmark-schema file per zero-shot / retrieval result (tests/test_clip_benchmark.py)
+        "eval-clip_benchmark-cifar10-zeroshot_classification.json",
+        "eval-clip_benchmark-d2-zeroshot_classification.json",
+        "eval-clip_benchmark-d3-zeroshot_retrieval.json",
+        "eval-recall.png",
+        "eval.json",
+        "eval.md",
+    ]
     for png in ("eval-accuracy.png", "eval-recall.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "eval.json").read_text())["summary"]["zero_shot_datasets"] == 2

@@ -415,6 +415,11 @@ def test_classes_from_the_data_or_a_standard_dataset(exported):
     # The source describes no classes for "size": they are the sorted distinct values.
     result = probe(exported, label="size", l2=1.0, limit_train=40, limit_test=20)
     assert result["num_classes"] == 2 and result["chance"] == 0.5 and "top5" not in result
+    # baselines of the 20 test labels: the majority class's share, and 1/K for any constant answer
+    baselines = result["baselines"]
+    assert baselines["chance"] == {"top1": 0.5, "mean_per_class_recall": 0.5}
+    assert 0.5 <= baselines["majority"]["top1"] < 1 and baselines["majority"]["class"] in ("small", "large")
+    assert 0 <= result["mean_per_class_recall"] <= 1
     with pytest.raises(DataError, match="not one of the 10 classes"):  # CIFAR-10's names
         probe(exported, dataset="cifar10", l2=1.0, limit_train=8, limit_test=8)
 

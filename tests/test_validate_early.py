@@ -137,7 +137,7 @@ def test_eval_refuses_an_unknown_task_before_writing_a_report(app, export):
     before = sorted(p.name for p in export.iterdir())
     result = invoke(app, "eval", export, "--task", "zeroshot", "--data", "synthetic://shapes?n=8")
     assert_refused(result, "unknown eval 'zeroshot'", "Did you mean: zero_shot")
-    assert sorted(p.name for p in export.iterdir()) == before  # no eval.json / eval.md
+    assert sorted(p.name for p in export.iterdir()) == before  # no eval report, no eval-index.json
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ def test_eval_refuses_a_bad_task_of_a_tasks_file(app, export, tmp_path):
     tasks.write_text("- {name: retrieval, data: 'synthetic://shapes?n=8'}\n- {name: zero_shoot, data: x}\n")
     result = invoke(app, "eval", export, "--tasks", tasks)
     assert_refused(result, "eval[1].name: unknown eval 'zero_shoot'")
-    assert not (export / "eval.json").exists()
+    assert not list(export.glob("eval*"))  # no report, no index
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -92,6 +92,48 @@ def test_eval_zero_shot_on_a_table_needs_no_class_list(table, export, tmp_path):
     assert outcome.exit_code == 0, outcome.output
     (result,) = json.loads(out.read_text())["results"]
     assert result["num_classes"] == 3 and result["n"] == 6 and result["chance"] == pytest.approx(1 / 3)
+    assert 0 <= result["mean_per_class_recall"] <= 1  # 2 samples per class: equal to top-1 here
+    assert result["mean_per_class_recall"] == pytest.approx(result["top1"])
+    majority = result["baselines"]["majority"]
+    assert majority["top1"] == pytest.approx(1 / 3) and majority["class"] in COLOURS
+    table_text = out.with_suffix(".md").read_text()
+    assert "uniform chance 0.3333" in table_text and "× chance" not in table_text
+
+
+def reports_of(export):
+    """clipkit's own reports in ``export`` (not the CLIP_benchmark result files beside them)."""
+    return sorted(p for p in export.glob("eval-zero_shot-*.json") if "-clip_benchmark-" not in p.name)
+
+
+def test_a_second_eval_keeps_the_first_report(table, export):
+    """No --output: each eval writes a new EXPORT/eval-<task>-<data>-<time>.json and lists it in
+    EXPORT/eval-index.json; the first report is kept, byte for byte."""
+    args = [
+        "eval",
+        str(export),
+        "--task",
+        "zero_shot",
+        "--data",
+        str(table),
+        "--label",
+        "category",
+        "--no-plots",
+    ]
+    first = CliRunner().invoke(make_app(), args)
+    assert first.exit_code == 0, first.output
+    (report,) = reports_of(export)
+    assert report.name.startswith("eval-zero_shot-") and "colours.jsonl" in report.name
+    kept = report.read_bytes()
+    second = CliRunner().invoke(make_app(), args)
+    assert second.exit_code == 0, second.output
+    reports = reports_of(export)
+    assert len(reports) == 2 and report.read_bytes() == kept
+    index = json.loads((export / "eval-index.json").read_text())["reports"]
+    assert [entry["report"] for entry in index] == [report.name, next(p.name for p in reports if p != report)]
+    assert index[0]["tasks"] == [f"zero_shot {table.parent.name}/colours.jsonl:category"]
+    # `clipkit report EXPORT` reads the newest indexed report (an export has no eval.json)
+    written = api.report([export], export.parent / "cmp")
+    assert [p.name for p in written][:2] == ["eval.json", "eval.md"]
 
 
 def test_a_failing_task_does_not_stop_the_suite(table, export, tmp_path):

@@ -17,6 +17,7 @@ import torch
 from clipkit.data.shard import open_source
 from clipkit.data.transforms import decode_for_eval
 from clipkit.errors import ClipkitError, DataError
+from clipkit.eval.metrics import topk_accuracy  # noqa: F401 — re-exported: eval plugins import it from here
 from clipkit.model import ContrastiveModel, build_slot
 from clipkit.registry import Registry
 from clipkit.types import PointSet, Sample, optional_member
@@ -112,13 +113,6 @@ def embed_points(model: ContrastiveModel, points: PointSet) -> tuple[torch.Tenso
     return (points.mean(), False) if vector is None else (vector, True)
 
 
-def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
-    """Fraction of rows whose label is among the k largest logits. logits [N, C], labels [N]."""
-    k = min(k, logits.shape[1])
-    hits = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1)
-    return float(hits.float().mean())
-
-
 def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:
     """All samples (up to ``limit``) and the info of the source at ``data``."""
     source = open_source(data, pm=registry.pm)
@@ -138,12 +132,16 @@ def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry
     A task that fails (bad data, an unknown label, ...) does not stop the others: its result is
     ``{"name", "data", "label", "failed": message}`` (see :func:`failed_tasks`).
     """
+    from clipkit.eval.suite import ABOUT, task_arguments
+
     results = []
     model.eval()
     for i, config in enumerate(tasks):
         try:
-            task = build_slot(registry, "eval", config, f"eval.{i}")
+            task = build_slot(registry, "eval", task_arguments(config), f"eval.{i}")
             result = {"name": config["name"], **task(model, registry)}
+            if isinstance(config, dict) and config.get(ABOUT):
+                result[ABOUT] = config[ABOUT]  # a suite's title and main metric for the task
             warning = small_set_warning(result)
             if warning:
                 result["warning"] = warning
@@ -188,11 +186,13 @@ def check_tasks(tasks: list[dict], registry: Registry) -> None:
     """Refuse tasks that would fail before running anything (so no report is written): each named
     task's arguments against its factory (as recipe validation does), its constructor's own checks,
     and that a data source plugin accepts each URI in :data:`DATA_KEYS`. Every problem is listed."""
+    from clipkit.eval.suite import task_arguments
     from clipkit.recipe import EVAL_INJECTED, check_slot
 
     errors = []
     for i, config in enumerate(tasks):
         path = f"eval[{i}]"
+        config = task_arguments(config)
         problems = check_slot(config, path, "eval", EVAL_INJECTED, registry)
         if not problems:
             try:
@@ -212,17 +212,32 @@ def check_tasks(tasks: list[dict], registry: Registry) -> None:
 
 
 def evaluate_export(
-    export_dir: Path, tasks: list[dict] | None, registry: Registry, *, options: dict | None = None
+    export_dir: Path,
+    tasks: list[dict] | None,
+    registry: Registry,
+    *,
+    options: dict | None = None,
+    skip_missing: bool = False,
 ) -> dict[str, Any]:
     """Load an export (or any layout a ``read_model`` plugin reads with ``options``, converted in
     memory) and run ``tasks`` (default: the eval section of its recipe); given ``tasks`` are checked
-    first (:func:`check_tasks`)."""
+    first (:func:`check_tasks`). ``skip_missing`` (a suite's ``missing: skip``): tasks whose local
+    data does not exist, or that the suite marks unsupported, are listed in the results
+    (``missing`` / ``not_run``) instead of run (:mod:`clipkit.eval.suite`)."""
+    from clipkit.eval.suite import split_suite
     from clipkit.export import load_model
 
+    skipped: list[dict] = []
+    if tasks is not None and skip_missing:
+        tasks, skipped = split_suite(tasks)
+        if not tasks:
+            where = "; ".join(row.get("missing") or row.get("not_run", "") for row in skipped[:3])
+            raise ClipkitError(f"none of the suite's {len(skipped)} tasks can run here ({where}, ...)")
     if tasks is not None:
         check_tasks(tasks, registry)
     model, metadata = load_model(export_dir, registry, options=options)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:
         raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")
-    return {"export": str(export_dir), "results": run_evals(model, tasks, registry)}
+    name = (metadata.get("recipe") or {}).get("name")  # CLIP_benchmark's `model` in its result files
+    return {"export": str(export_dir), "model": name, "results": run_evals(model, tasks, registry) + skipped}

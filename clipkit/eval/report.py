@@ -19,14 +19,15 @@ from clipkit.errors import ClipkitError
 from clipkit.io import atomic_path, atomic_write_text
 
 #: Result keys that describe a task rather than measure it (never printed as metrics).
-DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "chance_recall"}
+DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "chance_recall", "baselines"}
 
-#: The result keys drawn as per-dataset bars.
-ACCURACY_KEYS = ("top1", "top5")
+#: The classification metrics averaged across datasets in a report's summary.
+ACCURACY_KEYS = ("top1", "top5", "mean_per_class_recall")
 
 
 def summarize(results: Sequence[dict]) -> dict[str, Any]:
-    """Averages across datasets: zero-shot and linear-probe top-1 (top-5 where all have it).
+    """Averages across datasets: zero-shot and linear-probe top-1 (top-5 and mean per-class recall
+    where all have them).
 
     The mean is over tasks (datasets / label sets), unweighted, as CLIP and the papers average.
     """
@@ -77,7 +78,10 @@ def short_data_name(data: str) -> str:
 def task_label(result: dict) -> str:
     """A short name for one result row: task, data (file and split; with the standard ``dataset``
     named first when there is one), and label."""
-    where = short_data_name(str(result.get("data", "")))
+    from clipkit.eval.clip_benchmark import wds_dataset
+
+    # CLIP_benchmark's wds layout: its dataset name, so clipkit's rows meet its published ones
+    where = wds_dataset(result.get("data")) or short_data_name(str(result.get("data", "")))
     dataset = result.get("dataset")
     if dataset:
         where = dataset if not result.get("data") else f"{dataset} {where}"
@@ -93,11 +97,20 @@ def number(value: float) -> str:
 
 
 def format_value(result: dict, key: str) -> str:
+    """A metric's value (± std) with its baselines and, for top-1 and mean per-class recall, its
+    ratio to the stronger baseline, named: ``0.2010 (0.93× majority class; uniform chance 0.0625,
+    majority class 0.2170 ('cat'))``. A result without ``baselines`` (older reports) keeps the old
+    ``× chance`` against its uniform ``chance``."""
+    from clipkit.eval.metrics import baseline_note, ratio_note
+
     value = result[key]
     std = result.get(f"{key}_std")
     text = number(value) + (f" ± {number(std)}" if isinstance(std, float) else "")
+    if isinstance(result.get("baselines"), dict):
+        notes = [note for note in (ratio_note(result, key), baseline_note(result, key)) if note]
+        return text + (f" ({'; '.join(notes)})" if notes else "")
     if key == "top1" and result.get("chance"):
-        text += f" ({value / result['chance']:.1f}× chance)"
+        text += f" ({value / result['chance']:.1f}× uniform chance)"
     recall_chance = (result.get("chance_recall") or {}).get(key)  # retrieval: per-K chance, this gallery
     if isinstance(recall_chance, float):
         text += f" (chance {number(recall_chance)})"
@@ -115,16 +128,16 @@ def metric_rows(result: dict) -> list[tuple[str, str]]:
 
 def markdown_table(report: dict) -> str:
     """The report as Markdown: one row per (task, metric), then the cross-dataset averages."""
-    lines = [
-        f"# Evaluation of `{report.get('export', '?')}`",
-        "",
-        "| task | metric | value |",
-        "| --- | --- | --- |",
-    ]
+    lines = [f"# Evaluation of `{report.get('export', '?')}`", ""]
+    lines += [f"**Note:** {note}\n" for note in report.get("notes") or []]
+    lines += ["| task | metric | value |", "| --- | --- | --- |"]
     for result in report.get("results", []):
         name = task_label(result)
         if result.get("failed"):
             lines.append(f"| {name} | **failed** | {result['failed']} |")
+        for key in ("missing", "not_run"):  # a suite's task with no data here, or none clipkit runs
+            if result.get(key):
+                lines.append(f"| {name} | {key.replace('_', ' ')} | {result[key]} |")
         for metric, value in metric_rows(result):
             lines.append(f"| {name} | {metric} | {value} |")
             name = ""
@@ -174,10 +187,17 @@ def plot_accuracy_bars(results: Sequence[dict], path: Path) -> Path | None:
     for x, row in zip(positions, rows, strict=True):
         if row.get("chance"):
             axes.hlines(row["chance"], x - 0.4, x + 0.4, colors="black", linestyles="dashed", linewidth=1)
+        majority = ((row.get("baselines") or {}).get("majority") or {}).get("top1")
+        if isinstance(majority, float):
+            axes.hlines(majority, x - 0.4, x + 0.4, colors="red", linestyles="dotted", linewidth=1)
     axes.set_xticks(positions, [task_label(r) for r in rows], rotation=30, ha="right", fontsize=8)
     axes.set_ylabel("top-1 accuracy")
     axes.set_ylim(0, 1)
-    axes.set_title("top-1 per dataset (dashed: chance; blue zero-shot, green linear probe)", fontsize=9)
+    axes.set_title(
+        "top-1 per dataset (dashed: uniform chance, dotted red: majority class; "
+        "blue zero-shot, green linear probe)",
+        fontsize=8,
+    )
     return save_figure(figure, path)
 
 
@@ -205,13 +225,18 @@ def plot_recall_curves(results: Sequence[dict], path: Path) -> Path | None:
 
 
 def write_eval_report(report: dict, json_path: Path, *, plots: bool = True) -> list[Path]:
-    """Write ``json_path`` (the report with its summary), the .md beside it, and the PNGs."""
+    """Write ``json_path`` (the report with its summary), the .md beside it, a CLIP_benchmark result
+    file per zero-shot / linear-probe / retrieval result (:mod:`clipkit.eval.clip_benchmark`), and
+    the PNGs."""
     json_path = Path(json_path)
     report = {**report, "summary": summarize(report.get("results", []))}
     atomic_write_text(json_path, json.dumps(report, indent=2, default=_jsonable) + "\n")
     markdown = json_path.with_suffix(".md")
     atomic_write_text(markdown, markdown_table(report))
     written = [json_path, markdown]
+    from clipkit.eval.clip_benchmark import write_results
+
+    written += write_results(report, json_path, short_data_name)  # CLIP_benchmark's schema, one per task
     if plots:
         stem = json_path.with_suffix("")
         results = report.get("results", [])
@@ -258,19 +283,6 @@ def plot_loss_curves(runs: dict[str, Path], path: Path, metrics: Sequence[str] =
         axes.set_ylabel(metric)
         axes.legend(fontsize=7)
     return save_figure(figure, Path(path))
-
-
-def read_eval_reports(runs: dict[str, Path]) -> dict[str, dict]:
-    """label -> the ``eval.json`` of each run directory that has one."""
-    reports = {}
-    for label, run_dir in runs.items():
-        path = Path(run_dir) / "eval.json"
-        if path.is_file():
-            try:
-                reports[label] = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ClipkitError(f"{path}: not valid JSON ({error})") from None
-    return reports
 
 
 def comparison_rows(reports: dict[str, dict]) -> list[tuple[str, str, dict[str, str]]]:

@@ -23,7 +23,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from clipkit.errors import ClipkitError, DataError
-from clipkit.eval.evaluate import load_samples, topk_accuracy
+from clipkit.eval.evaluate import load_samples
+from clipkit.eval.metrics import class_baselines, classification_scores
 from clipkit.types import Sample, optional_member
 
 PROTOCOLS = ("lbfgs", "sgd")
@@ -132,12 +133,12 @@ class LinearProbe:
             "n_train": len(train_samples),
             "n_test": len(test_samples),
             "num_classes": len(classes),
-            "top1": topk_accuracy(logits, y_test, 1),
+            **classification_scores(logits, y_test),
             "chance": 1 / len(classes),
+            # of the test labels: the scores are measured there (the classifier saw train's)
+            "baselines": class_baselines(y_test, classes),
             **details,
         }
-        if len(classes) >= 5:
-            result["top5"] = topk_accuracy(logits, y_test, 5)
         return result
 
     def fit_lbfgs(self, x, y, num_classes: int):

@@ -26,8 +26,8 @@ from clipkit.eval.evaluate import (
     image_text_logits,
     load_samples,
     mean_and_std,
-    topk_accuracy,
 )
+from clipkit.eval.metrics import class_baselines, classification_scores
 
 
 class ZeroShot:
@@ -87,15 +87,14 @@ class ZeroShot:
             "feature_seeds": len(seeds),
             **mean_and_std(runs),
             "chance": 1 / len(classnames),
+            "baselines": class_baselines(labels, classnames),
         }
 
     @staticmethod
     def score(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-        """Top-1 (and top-5 with at least 5 classes) of logits [N, C] against labels [N]."""
-        scores = {"top1": topk_accuracy(logits, labels, 1)}
-        if logits.shape[1] >= 5:
-            scores["top5"] = topk_accuracy(logits, labels, 5)
-        return scores
+        """Top-1, top-5 (with at least 5 classes) and mean per-class recall of logits [N, C]
+        against labels [N] (:func:`clipkit.eval.metrics.classification_scores`)."""
+        return classification_scores(logits, labels)
 
     def prompts(self, info: dict, samples=()) -> tuple[list[str], list[str]]:
         """(class names, templates) by precedence: task arguments, ``dataset``, the source's labels,

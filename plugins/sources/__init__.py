@@ -16,6 +16,7 @@ from clipkit.hookspecs import hookimpl
 @hookimpl(trylast=True)
 def open_source(uri, options):
     from clipkit.data.shard import MANIFEST, ShardSource
+    from clipkit.plugins.sources.clip_benchmark_source import open_clip_benchmark_source
     from clipkit.plugins.sources.dataset_sources import open_dataset_source
     from clipkit.plugins.sources.file_sources import open_file_source
     from clipkit.plugins.sources.holdout_source import open_holdout_source
@@ -29,6 +30,9 @@ def open_source(uri, options):
         return synthetic
     if "://" not in uri and (Path(uri) / MANIFEST).is_file():
         return ShardSource(uri)
+    benchmark = open_clip_benchmark_source(uri, options)  # wds:DIR, or a CLIP_benchmark wds folder
+    if benchmark is not None:
+        return benchmark
     dataset = open_dataset_source(uri, options)
     if dataset is not None:
         return dataset

@@ -35,6 +35,9 @@ URIs (all ``trylast``, so a third-party ``open_source`` can take any of them ove
   ``{"label", "class"}`` and caption "a photo of a {class}."; ``info()["labels"]["class"]`` is the
   ``classes:`` folders' format, so zero-shot evaluation works. Class names come from a sibling
   ``classes.json`` (``{"classes": [...]}`` as Fashion-MNIST ships, or a plain list), else "0".."9".
+* ``wds:DIR[?split=test]`` (or a bare ``wds_<dataset>`` folder): CLIP_benchmark's WebDataset layout,
+  with its ``classnames.txt`` and zero-shot templates
+  (:mod:`clipkit.plugins.sources.clip_benchmark_source`).
 
 Options (``-o key=value``) as for the file sources: ``strict``, ``workers``, ``max_caption_chars``.
 As there, a bad sample is skipped and counted by reason in ``source.skipped`` (``strict`` raises

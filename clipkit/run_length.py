@@ -1,0 +1,145 @@
+"""How long a run on your own data is, in epochs: ``clipkit train RECIPE --data TABLE [--epochs E]``.
+
+A step count means nothing to someone who brings a table: 20 steps of 64 are 0.45 of an epoch of
+3 000 images, and a model that has not seen its data once scores at chance. So with ``--data``:
+
+- the tiny variants (``@tiny``, ``quickstart``) size their run by epochs over the training split
+  of the table (what is left after the held-out part): :data:`DEFAULT_EPOCHS` epochs, at most
+  :data:`MAX_DEFAULT_STEPS` steps (a big table then gets fewer epochs, and is told so);
+- ``--epochs E`` asks for E epochs on any recipe (not capped); ``train.steps=N`` still wins;
+- the start of the run prints ``N steps = E epochs of your M samples`` (:func:`plan_line`), and a
+  run that ends under one epoch says so in its last line and in its report (:func:`short_run_note`).
+
+The table is sharded here, before training, since its sample count is what the steps follow (the
+run then finds the shards made).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from clipkit.errors import ClipkitError
+
+#: Epochs over your training split that a tiny variant trains for with ``--data`` by default.
+DEFAULT_EPOCHS = 10
+#: The most steps that default gives (about 5 minutes of a tiny model on 2 CPU cores).
+MAX_DEFAULT_STEPS = 2000
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """``steps`` of ``batch_size`` over ``num_samples`` training samples."""
+
+    steps: int
+    batch_size: int
+    num_samples: int
+
+    @property
+    def epochs(self) -> float:
+        return self.steps * self.batch_size / self.num_samples
+
+
+def sized_by_epochs(spec: str) -> bool:
+    """Whether recipe ``spec`` sizes an own-data run by epochs by default: the tiny variants."""
+    from clipkit.recipe import split_spec
+
+    name, variant = split_spec(spec)
+    return name == "quickstart" or "tiny" in (variant or "").split("+")
+
+
+def sets_steps(overrides: list[str]) -> bool:
+    """Whether the user's ``key=value`` overrides set ``train.steps`` themselves."""
+    return any(re.match(r"^\+?train\.steps=", item.strip()) for item in overrides)
+
+
+def steps_for(epochs: float, num_samples: int, batch_size: int, cap: int | None = None) -> int:
+    """The steps of ``batch_size`` that make ``epochs`` passes over ``num_samples`` (at least 1,
+    at most ``cap``)."""
+    if not epochs > 0:
+        raise ClipkitError(f"--epochs must be > 0, got {epochs}")
+    steps = max(1, math.ceil(epochs * num_samples / batch_size))
+    return min(steps, cap) if cap else steps
+
+
+def training_batch(recipe: dict, num_samples: int) -> int:
+    """The global batch a run of ``recipe`` uses on ``num_samples`` training samples (one process):
+    ``data.batch_size``, lowered to the split by ``data.fit_batch`` when it holds less."""
+    from clipkit.recipe import section
+
+    data = section(recipe, "data")
+    batch = int(data.batch_size)
+    return min(batch, num_samples) if data.fit_batch and num_samples >= 2 else batch
+
+
+def count_training_samples(recipe: dict, registry) -> int | None:
+    """The samples training sees of ``recipe``'s data: its shards (made from ``data.source`` now,
+    when missing) less the held-out split. None under several processes when the shards are not
+    made yet: every process runs this before any can wait for another, so none may shard here
+    (process 0 shards during training, as without ``--data``)."""
+    from clipkit.data.loader import training_split
+    from clipkit.data.shard import MANIFEST
+    from clipkit.data.shard_writer import ensure_shards
+    from clipkit.recipe import section
+    from clipkit.train.build import check_data_location, shard_target
+
+    data = section(recipe, "data")
+    check_data_location(recipe, registry)  # the same refusals as training's, before anything is written
+    target = shard_target(data)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (Path(target) / MANIFEST).is_file():
+        return None
+    shards = ensure_shards(target, data.source, pm=registry.pm)
+    return training_split(shards, data.holdout).num_samples
+
+
+def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> RunLength | None:
+    """The run's length on its data: ``epochs`` when given, :data:`DEFAULT_EPOCHS` (capped) when
+    ``by_default``, else the recipe's ``train.steps``; None when the data cannot be counted before
+    training (:func:`count_training_samples`)."""
+    from clipkit.recipe import section
+
+    num_samples = count_training_samples(recipe, registry)
+    if num_samples is None:
+        return None
+    if num_samples < 1:
+        raise ClipkitError("--data: no sample is left to train on after the held-out split")
+    batch = training_batch(recipe, num_samples)
+    if epochs is not None:
+        steps = steps_for(epochs, num_samples, batch)
+    elif by_default:
+        steps = steps_for(DEFAULT_EPOCHS, num_samples, batch, cap=MAX_DEFAULT_STEPS)
+    else:
+        steps = int(section(recipe, "train").steps)
+    return RunLength(steps, batch, num_samples)
+
+
+def plan_line(length: RunLength) -> str:
+    """``train: 470 steps = 10 epochs of your 2 993 samples (batch 64)``, with how to change it."""
+    text = (
+        f"train: {length.steps} steps = {length.epochs:.3g} epochs of your {length.num_samples} samples "
+        f"(batch {length.batch_size}); --epochs E or train.steps=N to change it"
+    )
+    if length.epochs < 1:
+        text += " — under one epoch: the model will not see all its data once"
+    return text
+
+
+#: What the start of a run says when it cannot be sized by epochs (several processes, a table).
+UNSIZED_NOTE = (
+    "train: {steps} steps (the recipe's): under several processes a table is sharded during training, "
+    "so its run is not sized by epochs; shard it first (clipkit shard TABLE DIR) and pass --data DIR"
+)
+
+
+def short_run_note(metrics: dict) -> str | None:
+    """The note a run that ended under one epoch gets (its last line and its report), else None."""
+    epoch = metrics.get("epoch")
+    if not isinstance(epoch, float) or epoch >= 1:
+        return None
+    return (
+        f"this run ended after {epoch:.2f} of an epoch: the model did not see all its training data "
+        "once, so its scores say little; train longer with --epochs E (with --data) or train.steps=N"
+    )
