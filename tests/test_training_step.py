@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from clipkit.errors import ClipkitError
 from clipkit.model import build_model
@@ -72,3 +73,20 @@ def test_an_unapplied_step_is_an_overflow_or_a_bad_gradient():
     assert StepResult(False, float("inf"), overflowed=True).bad_gradient is False
     assert StepResult(False, float("nan")).bad_gradient is True
     assert StepResult(True, 1.0).bad_gradient is False
+
+
+def test_a_non_finite_gradient_without_loss_scaling_is_a_bad_gradient():
+    """fp32 (no GradScaler): the runtime refuses the step and says it was not an overflow."""
+    from clipkit.recipe import DistributedConfig
+    from clipkit.train.runtime import Runtime
+
+    rt = Runtime(precision="no", seed=0, distributed=DistributedConfig(), global_batch_size=2)
+    layer = torch.nn.Linear(2, 2)
+    layer, optimizer = rt.prepare(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    before = layer.weight.detach().clone()
+    rt.backward(layer(torch.full((1, 2), float("nan"))).sum(), layer)
+    result = rt.step(layer, optimizer)
+    assert not result.applied and result.bad_gradient
+    assert torch.equal(layer.weight, before)
+    rt.backward(layer(torch.ones(1, 2)).sum(), layer)
+    assert rt.step(layer, optimizer).applied and not torch.equal(layer.weight, before)
