@@ -76,7 +76,8 @@ def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
         loss=loss,
         stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
     )
-    rows = rt.local_rows(BATCH // rt.world_size)
+    share = BATCH // rt.world_size
+    rows = slice(rt.rank * share, (rt.rank + 1) * share)  # this process's rows of the global batch
     local = {key: (value[rows] if isinstance(value, torch.Tensor) else value) for key, value in batch.items()}
     training_step.trainer = trainer
     model.zero_grad(set_to_none=True)

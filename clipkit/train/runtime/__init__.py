@@ -239,10 +239,6 @@ class Runtime:
 
     # ------------------------------------------------------------------ full weights
 
-    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
-        """The full fp32 weights on the main process (None elsewhere); every process must call."""
-        return self._strategy.full_state_dict(model, self.is_main)
-
     def gathered(self, module):
         """Full parameters of ``module`` readable inside (ZeRO-3 partitions them); every process enters."""
         return self._strategy.gathered(module)
@@ -283,10 +279,6 @@ class Runtime:
 
     def gather_list(self, values: list) -> list:
         return collectives.gather_objects(values)
-
-    def local_rows(self, local_size: int) -> slice:
-        """This process's rows of the global batch."""
-        return slice(self.rank * local_size, (self.rank + 1) * local_size)
 
     def targets(self, anchors: int, offset: int = 0) -> torch.Tensor:
         """[anchors] column of each anchor's positive: the diagonal, shifted by ``offset`` for

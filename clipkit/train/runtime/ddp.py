@@ -123,11 +123,6 @@ class DDPStrategy:
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
 
-    def full_state_dict(self, model, is_main: bool) -> dict[str, torch.Tensor] | None:
-        if not is_main:
-            return None
-        return {k: v.detach().float().cpu().clone() for k, v in self.unwrap(model).state_dict().items()}
-
     def gathered(self, module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
