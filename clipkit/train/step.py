@@ -54,14 +54,14 @@ class TrainingStep(nn.Module):
     trainer's runtime, loss and stream when it runs.
     """
 
+    model: ContrastiveModel  # the plain model (set in __init__, outside nn.Module's registry)
+
     def __init__(self, model: ContrastiveModel) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
         self.__dict__["model"] = model  # not a sub-module: see the class docstring
         self.trainer: Trainer | None = None
-
-    model: ContrastiveModel
 
     def train(self, mode: bool = True) -> TrainingStep:
         """The model's own ``train`` (locked towers stay in eval mode)."""
