@@ -108,21 +108,24 @@ def save_checkpoint(
         if is_main:
             shutil.rmtree(building, ignore_errors=True)  # leftovers of a run killed mid-write
             building.mkdir(parents=True)
-        barrier()
+        barrier()  # nobody writes before the directory exists
         write_shards(building)
-        barrier()
+        barrier()  # every process's files are complete before the manifest hashes them
         if is_main:
             value = {"step": step, **state()}
             sizes["state"] = tensor_bytes(value)
+            # state.pt is what list_checkpoints looks for, but only under the final name: inside
+            # ".partial" it marks nothing, so writing it before the manifest is safe.
             _save(building / STATE, value)
-            write_manifest(building)
-            fsync_directory(building)
+            write_manifest(building)  # hashes of every file: resume refuses a changed or missing one
+            fsync_directory(building)  # the entries exist on disk before the rename can publish them
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
-            os.replace(building, final)
-            fsync_directory(final.parent)
+            os.replace(building, final)  # the commit: atomic, the checkpoint is now visible whole
+            fsync_directory(final.parent)  # the rename itself survives a power cut
+            # Pruning only after the commit: until then the earlier checkpoints are the resume point.
             for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    barrier()  # no process returns (and trains on) before the checkpoint is committed
     return final
 
 
