@@ -47,7 +47,7 @@ OVERRIDES = [
 def run(recipe: dict, registry, directory: Path, cached: bool, steps_per_epoch: int, epochs: int) -> dict:
     """Train ``epochs`` epochs; returns seconds per step (all, and after epoch 1) and rows encoded."""
     trainer = build_trainer(recipe, directory, registry)
-    model = trainer.runtime.unwrap(trainer.model)
+    model = trainer.model
     backbone = model.text_encoder.backbone
     cache = getattr(backbone, "output_cache", None)
     if cache is None:
@@ -55,7 +55,7 @@ def run(recipe: dict, registry, directory: Path, cached: bool, steps_per_epoch: 
     if not cached:
         del backbone.forward  # the class's forward again: the backbone runs every step
     batches = iter(trainer.stream)
-    trainer.model.train()
+    trainer.step.train()
     times = []
     for step in range(steps_per_epoch * epochs):
         batch = trainer.runtime.to_device(next(batches))

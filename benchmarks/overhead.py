@@ -199,7 +199,7 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
     run_dir = root / f"run-{name}"
     prepare_run_dir(recipe, run_dir, resume=False)
     trainer = build_trainer(recipe, run_dir, registry)
-    return trainer, trainer.runtime.unwrap(trainer.model)
+    return trainer, trainer.model
 
 
 def runners_for(spec: str, args: argparse.Namespace, root: Path) -> tuple[dict[str, Callable], dict, str]:

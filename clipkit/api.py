@@ -230,7 +230,7 @@ def train_in_process(recipe: dict, run_dir: Path, registry: Registry | None = No
         prepare_run_dir(recipe, Path(run_dir), resume=False)
         trainer = build_trainer(recipe, Path(run_dir), registry)
         train_loop(trainer)
-    return trainer.runtime.unwrap(trainer.model)
+    return trainer.model
 
 
 def plot_run(run_dir: Path) -> Path | None:

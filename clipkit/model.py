@@ -8,7 +8,6 @@ signature names them — the same rule :func:`clipkit.recipe.validate` checks.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,23 +82,17 @@ class ContrastiveModel(nn.Module):
             raise RuntimeError("this model has no text encoder (model.pair = two_view)")
         return self.text_encoder(tokens)
 
-    def forward(self, batch: dict[str, Any] | None, then: Callable | None = None) -> Any:
-        """The two sides of each positive pair for this batch: (PointSet, PointSet).
+    def forward(self, batch: dict[str, Any]) -> tuple[PointSet, PointSet]:
+        """The two sides of each positive pair for this batch: (PointSet [B, M_a, d], PointSet [B, M_b, d]).
 
-        With ``then``, returns ``then(a, b)`` instead (``batch`` None: ``then(None, None)``, no
-        encoding). The training loop computes its similarity and loss there, so the whole step
-        runs inside this module's forward — what DDP and DeepSpeed ZeRO-3 (which gathers each
-        module's parameters around its forward and backward) expect.
+        Training calls this inside :class:`clipkit.train.step.TrainingStep`'s forward, which runs the
+        whole step (gather, similarity, loss) in the one module DDP / DeepSpeed wrap.
         """
-        if batch is None:
-            pair = (None, None)
-        elif self.pair == "two_view":
-            pair = (self.encode_image(batch["image"]), self.encode_image(batch["image2"]))
-        elif self.pair == "vectors":
-            pair = (self.image_encoder(batch["x"]), self.text_encoder(batch["y"]))
-        else:
-            pair = (self.encode_image(batch["image"]), self.encode_text(batch["text"]))
-        return pair if then is None else then(*pair)
+        if self.pair == "two_view":
+            return self.encode_image(batch["image"]), self.encode_image(batch["image2"])
+        if self.pair == "vectors":
+            return self.image_encoder(batch["x"]), self.text_encoder(batch["y"])
+        return self.encode_image(batch["image"]), self.encode_text(batch["text"])
 
 
 def batched_input_size(recipe: dict) -> int:

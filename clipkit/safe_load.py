@@ -5,12 +5,10 @@ the moment it is loaded), so clipkit stores nothing but tensors and plain types 
 str, int, float, bool, None) and reads them with PyTorch's restricted unpickler, which refuses
 every other object. RNG states are stored in that form (:func:`encode_rng`).
 
-DeepSpeed's ZeRO files are read by DeepSpeed itself, which unpickles them. Before handing them over
-:func:`check_deepspeed_files` loads each with the restricted unpickler and an allow-list of the few
-DeepSpeed types they hold; only files that pass are given to DeepSpeed, so the full unpickler then
-meets nothing but those types. ``--trust-checkpoint`` (``LoadPolicy.trust_checkpoint``) skips these
-checks for files of a source one trusts (e.g. checkpoints of an older clipkit, which pickled RNG
-states).
+DeepSpeed's ZeRO files are read by DeepSpeed itself, which unpickles them; they are checked first
+by :mod:`clipkit.train.runtime.partitions`, which owns everything about their layout.
+``--trust-checkpoint`` (``LoadPolicy.trust_checkpoint``) skips these checks for files of a source
+one trusts (e.g. checkpoints of an older clipkit, which pickled RNG states).
 """
 
 from __future__ import annotations
@@ -127,43 +125,3 @@ def decode_rng(encoded: Any, path: Path) -> dict[str, Any]:
     if "cuda" in encoded:
         state["cuda"] = encoded["cuda"]
     return state
-
-
-# ----------------------------------------------------------------------------- DeepSpeed
-
-
-def deepspeed_safe_globals() -> list:
-    """The DeepSpeed types ZeRO optimiser files hold besides tensors and plain types (found by
-    loading them with nothing allowed): the ZeRO stage enum, the loss scaler, fragment addresses.
-    Each is plain data (no ``__reduce__``/``__setstate__`` that runs code)."""
-    import importlib
-
-    found = []
-    for module, names in (
-        ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-        ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-        ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
-    ):
-        try:
-            imported = importlib.import_module(module)
-        except ImportError:
-            continue
-        found += [getattr(imported, name) for name in names if hasattr(imported, name)]
-    return found
-
-
-def check_deepspeed_files(directory: Path) -> None:
-    """Refuse ZeRO files the restricted unpickler (with DeepSpeed's types allowed) cannot load."""
-    if policy().trust_checkpoint:
-        return
-    allowed = deepspeed_safe_globals()
-    for path in sorted(Path(directory).rglob("*.pt")):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as error:
-            raise unsafe_or_damaged(path, error, "DeepSpeed checkpoint file") from error
-        except Exception as error:
-            raise ArtifactError(
-                f"{path}: cannot read this DeepSpeed checkpoint file ({first_line(error)}); it is damaged"
-            ) from error

@@ -85,7 +85,7 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     for key, value in out.metrics.items():
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
-    check_optional_members(loss, ("supports_local_loss",))
+    check_optional_members(loss, ("supports_local_loss", "stateful"))
     return out
 
 

@@ -332,8 +332,10 @@ class Loss(Protocol):
     Optional members:
         supports_local_loss: bool = False — the loss is a mean over anchors, so the mean of the
             processes' local losses is the full-batch loss (``train.distributed.local_loss``).
-        A loss that requires ``index`` keeps per-sample state: the loop never accumulates
-        gradients for it and stops (never skips) on a non-finite step.
+        stateful: bool = False — the loss updates per-sample state from each batch it scores
+            (SogCLR/NUCLR): the loop refuses exact gradient accumulation for it (which would score
+            every batch twice) and stops, never skips, on a non-finite step (the state has already
+            taken the batch in). Requiring ``index`` alone does not make a loss stateful.
     """
 
     requires: frozenset[str]
@@ -345,6 +347,7 @@ class Loss(Protocol):
 OPTIONAL_MEMBERS: dict[str, Any] = {
     "requires": frozenset(),  # Loss
     "supports_local_loss": False,  # Loss
+    "stateful": False,  # Loss
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
     "projection_module_name": None,  # Encoder

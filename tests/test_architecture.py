@@ -92,6 +92,36 @@ def test_distributed_libraries_only_in_the_runtime(library):
     assert not offenders, f"{library} is imported outside {RUNTIME_PACKAGE}: {offenders}"
 
 
+def strategy_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that read an attribute named ``strategy`` or ``_strategy`` of any object."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ("strategy", "_strategy")
+    )
+
+
+def test_the_runtime_is_closed():
+    """Nothing outside the runtime package reaches its strategy: callers ask the Runtime for what
+    they need (prepare, backward, step, save), so the strategy can change without them. The recipe's
+    own ``train.distributed.strategy`` setting is read inside the runtime too."""
+    offenders = {
+        module: lines
+        for module, path in MODULES.items()
+        if not (module == RUNTIME_PACKAGE or module.startswith(RUNTIME_PACKAGE + "."))
+        and (lines := strategy_reads(path))
+    }
+    assert not offenders, f"`.strategy` read outside {RUNTIME_PACKAGE} (module: lines): {offenders}"
+
+
+def test_the_closed_runtime_rule_can_fail(tmp_path):
+    # Guards the test above: the reader finds both spellings.
+    probe = tmp_path / "probe.py"
+    probe.write_text("rt.strategy.step()\nx = runtime._strategy\nstrategy = 1\n")
+    assert strategy_reads(probe) == [1, 2]
+
+
 def test_plugins_do_not_import_the_cli_the_loop_or_the_runtime():
     forbidden = ("clipkit.cli", "clipkit.train")
     offenders = {

@@ -444,7 +444,7 @@ def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
 
     from clipkit.errors import UnsafeCheckpointError
     from clipkit.integrity import loading
-    from clipkit.safe_load import check_deepspeed_files
+    from clipkit.train.runtime.partitions import check_files
 
     zero = tmp_path / "deepspeed" / "zero"
     zero.mkdir(parents=True)
@@ -452,14 +452,14 @@ def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
     torch.save(
         {"stage": ZeroStageEnum.gradients, "scaler": LossScaler(1.0), "w": torch.ones(2)}, zero / "ok.pt"
     )
-    check_deepspeed_files(tmp_path / "deepspeed")
+    check_files(tmp_path)
     marker = tmp_path / "ran"
     torch.save({"x": Marker(marker)}, zero / "evil.pt")
     with pytest.raises(UnsafeCheckpointError, match="evil.pt"):
-        check_deepspeed_files(tmp_path / "deepspeed")
+        check_files(tmp_path)
     assert not marker.exists()
     with loading(trust_checkpoint=True):
-        check_deepspeed_files(tmp_path / "deepspeed")  # trusted: not read here (DeepSpeed reads it)
+        check_files(tmp_path)  # trusted: not read here (DeepSpeed reads it)
     assert not marker.exists()
 
 

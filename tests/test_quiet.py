@@ -38,8 +38,8 @@ def test_third_party_warnings_go_to_the_debug_log(routed):
 
 
 def test_a_run_imports_no_deepspeed():
-    """Building a runtime, preparing and unwrapping a model (what every run does) leaves DeepSpeed
-    unimported: it costs seconds and prints an accelerator warning."""
+    """Building a runtime, preparing a model, stepping and saving it (what every run does) leaves
+    DeepSpeed unimported: it costs seconds and prints an accelerator warning."""
     code = (
         "import sys, torch\n"
         "from clipkit.train.runtime import Runtime\n"
@@ -47,8 +47,10 @@ def test_a_run_imports_no_deepspeed():
         "rt = Runtime(precision='no', seed=0, distributed=DistributedConfig(), global_batch_size=2,"
         " micro_batch_size=0, grad_clip=0.0)\n"
         "model = torch.nn.Linear(2, 2)\n"
-        "model, _ = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
-        "assert rt.unwrap(model) is not None\n"
+        "model, optimizer = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "rt.backward(model(torch.ones(1, 2)).sum(), model)\n"
+        "assert rt.step(model, optimizer).applied\n"
+        "assert rt.save(model, optimizer, None)['model'] is not None\n"
         "print('deepspeed' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

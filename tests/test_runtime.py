@@ -23,7 +23,6 @@ from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import build_trainer
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 from clipkit.train.loop import train_loop
-from clipkit.train.objective import contrastive_loss, forward_loss
 from clipkit.train.runtime import split_batch
 from clipkit.train.runtime.deepspeed_config import deepspeed_config
 
@@ -52,23 +51,23 @@ def first_batch(trainer) -> dict:
 
 
 def parameters(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.runtime.unwrap(trainer.model).named_parameters()}
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- accumulation
 
 
 def gradients(trainer) -> dict[str, torch.Tensor]:
-    named = trainer.runtime.unwrap(trainer.model).named_parameters()
+    named = trainer.model.named_parameters()
     return {k: p.grad.detach().clone() for k, p in named if p.grad is not None}
 
 
 def test_exact_accumulation_equals_the_full_batch(registry, in_tmp):
     full = trainer_for(registry, in_tmp / "a")
     micro = trainer_for(registry, in_tmp / "b", "train.micro_batch_size=8")  # 32 = 4 × 8
-    assert micro.runtime.micro_batches == 4
+    assert micro.runtime.plan.micro_batches == 4
     batch = first_batch(full)
-    loss, out = forward_loss(full, batch, lambda a, b: contrastive_loss(full, a, b, batch, 0))
+    loss, out = full.step(batch, 0)
     loss.backward()
     accumulated, finite = accumulate_exactly(micro, batch, 0)
     assert finite
@@ -84,12 +83,11 @@ def test_naive_micro_batches_would_differ(registry, in_tmp):
     """The check above can fail: the mean of per-micro-batch losses (fewer negatives) is another loss."""
     trainer = trainer_for(registry, in_tmp / "a")
     batch = first_batch(trainer)
-    _, whole = forward_loss(trainer, batch, lambda a, b: contrastive_loss(trainer, a, b, batch, 0))
+    _, whole = trainer.step(batch, 0)
     pieces = []
     for start in range(0, 32, 8):
         piece = {k: (v[start : start + 8] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        compute = lambda a, b, p=piece: contrastive_loss(trainer, a, b, p, 0)  # noqa: E731
-        pieces.append(forward_loss(trainer, piece, compute)[1])
+        pieces.append(trainer.step(piece, 0).out)
     naive = sum(float(p.loss.detach()) for p in pieces) / len(pieces)
     assert abs(naive - float(whole.loss.detach())) > 0.1
 
@@ -119,22 +117,18 @@ def test_batch_must_split_into_micro_batches(registry, in_tmp):
 
 def test_bf16_runs_the_towers_in_bf16_and_the_loss_in_fp32(registry, in_tmp):
     trainer = trainer_for(registry, in_tmp / "a", "train.precision=bf16")
-    model = trainer.runtime.unwrap(trainer.model)
     seen = {}
 
     def record(module, inputs, output):
         seen.setdefault("tower", output.points.dtype)
 
-    model.image_encoder.register_forward_hook(record)
+    def record_pair(module, inputs, pair):
+        seen["loss_input"] = pair[0].points.dtype  # what the towers hand the gather and the loss
 
-    def compute(a, b):
-        seen["loss_input"] = a.points.dtype
-        out = contrastive_loss(trainer, a, b, batch, 0)
-        seen["loss"] = out.loss.dtype
-        return out
-
+    trainer.model.image_encoder.register_forward_hook(record)
+    trainer.model.register_forward_hook(record_pair)
     batch = first_batch(trainer)
-    forward_loss(trainer, batch, compute)
+    seen["loss"] = trainer.step(batch, 0).out.loss.dtype
     assert seen == {"tower": torch.bfloat16, "loss_input": torch.bfloat16, "loss": torch.float32}
 
 
@@ -142,14 +136,15 @@ def test_fp16_uses_a_grad_scaler_that_skips_overflowing_steps(registry, in_tmp):
     from clipkit.train.loop import train_step
 
     trainer = trainer_for(registry, in_tmp / "a", "train.precision=fp16", "train.steps=12")
-    assert trainer.runtime.scaler is not None
+    scaler = trainer.runtime._strategy.scaler  # white-box: the GradScaler the DDP strategy steps with
+    assert scaler is not None
     before = parameters(trainer)
     # A scale so large that the scaled fp16 gradients overflow (fp16 max 65504): inf gradients.
-    trainer.runtime.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**32)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0**32})
     batch = first_batch(trainer)
     outcome = train_step(trainer, batch, 0)
     assert not outcome.applied and trainer.skipped_steps == 1
-    assert trainer.runtime.scaler.get_scale() == 2.0**31  # halved
+    assert scaler.get_scale() == 2.0**31  # halved
     for name, tensor in parameters(trainer).items():
         assert torch.equal(tensor, before[name]), name  # the overflowing step changed nothing
     steps = 1
@@ -209,7 +204,7 @@ def test_grad_checkpointing_switch_gives_the_same_gradients(registry, in_tmp):
     assert switches and all(switches)
     batch = first_batch(plain)
     for trainer in (plain, checkpointed):
-        loss, _ = forward_loss(trainer, batch, lambda a, b, t=trainer: contrastive_loss(t, a, b, batch, 0))
+        loss, _ = trainer.step(batch, 0)
         loss.backward()
     expected, got = gradients(plain), gradients(checkpointed)
     for name, tensor in expected.items():

@@ -183,7 +183,7 @@ class ClipkitSide:
         recipe = resolve(pick("clip", "clip@tiny"), overrides, registry)
         prepare_run_dir(recipe, run_dir, resume=False)
         self.trainer = build_trainer(recipe, run_dir, registry)
-        self.model = self.trainer.runtime.unwrap(self.trainer.model)
+        self.model = self.trainer.model
         tokenizer = self.model.tokenizer
         self.image_size = int(recipe["model"]["image_size"])
         self.context, self.vocab = int(tokenizer.context_length), int(tokenizer.vocab_size)

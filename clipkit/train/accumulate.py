@@ -6,15 +6,44 @@ encoding every sample twice (once without gradient to cache the features, once w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from clipkit.train.objective import contrastive_loss, forward_loss, loss_is_finite
+from clipkit.train.objective import contrastive_loss, loss_is_finite
 from clipkit.types import LossOutput, PointSet
 
 if TYPE_CHECKING:
     from clipkit.train.build import Trainer
+
+
+@dataclass(frozen=True)
+class FeatureGradient:
+    """Pass 3 of exact accumulation for one micro-batch: the full-batch loss's gradient with
+    respect to the cached features, and which rows of it are this micro-batch's.
+
+    grads: d loss / d cached tensors (points [N, M, d], then weights [N, M] when present; None for
+           a tensor the loss does not depend on), in :func:`point_tensors` order, a's then b's.
+    rows:  this micro-batch's rows of the cache.
+    last:  on the last micro-batch only, (cached a, cached b, the whole batch), detached: see
+           :meth:`clipkit.train.step.TrainingStep.gradient_share`.
+    """
+
+    grads: tuple[torch.Tensor | None, ...]
+    rows: slice
+    last: tuple[PointSet, PointSet, dict] | None = None
+
+    def surrogate(self, a: PointSet, b: PointSet) -> torch.Tensor:
+        """Σ features · g over this micro-batch's rows: a scalar whose gradient with respect to the
+        towers' parameters is exactly this micro-batch's share of the full-batch gradient (g is a
+        constant, so d/dθ Σ f(θ)·g = Σ (df/dθ)·g, the chain rule's term for these rows)."""
+        tensors = point_tensors(a.float()) + point_tensors(b.float())
+        return sum(
+            (tensor * grad[self.rows]).sum()
+            for tensor, grad in zip(tensors, self.grads, strict=True)
+            if grad is not None
+        )
 
 
 def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOutput, bool]:
@@ -26,41 +55,40 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
     3. re-encode each micro-batch with gradient and back-propagate Σ features · g (its share of
        the full-batch gradient); the last one also back-propagates the loss recomputed on the
        detached cache, which gives the similarity's own parameters (logit scale) their gradient.
-    Passes 1 and 3 run inside the model's forward (see :func:`forward_loss`); pass 2 needs no parameter.
+
+    Why the recompute is exact: the full-batch loss L depends on the towers' parameters θ only
+    through the features, so dL/dθ = Σ_k (df_k/dθ)·g_k over the micro-batches k. Pass 3's surrogates
+    are those terms one micro-batch at a time; their gradients add up to dL/dθ. The similarity's
+    parameters are not behind the features, so their gradient comes from the loss itself,
+    recomputed once on the detached cache (detached: it adds nothing to the towers' gradient).
+    Each surrogate already carries the full-batch scale; :meth:`clipkit.train.runtime.Runtime.backward`
+    keeps it (the accumulation scaling contract).
+
+    Passes 1 and 3 run through the step module (``trainer.step``, see :mod:`clipkit.train.step`);
+    pass 2 needs no parameter. Returns (the full-batch LossOutput, whether it was finite).
     """
-    rt, model = trainer.runtime, trainer.model
+    rt, training_step = trainer.runtime, trainer.step
     micro = split_batch_rows(batch, rt.plan.micro_size)
-    with torch.no_grad(), rt.autocast():
-        parts = [model(piece) for piece in micro]
+    with torch.no_grad():
+        parts = [training_step(piece, step, towers_only=True) for piece in micro]
     cached_a = leaf_points(PointSet.cat([p[0] for p in parts]))
     cached_b = leaf_points(PointSet.cat([p[1] for p in parts]))
-    # Outside the model's forward on purpose: only the cached features' gradient is wanted, and
+    # Outside the step's forward on purpose: only the cached features' gradient is wanted, and
     # DDP / DeepSpeed hooks must not see a backward that reduces nothing (ZeRO-3 is refused).
     with rt.full_precision():
         out = contrastive_loss(trainer, cached_a, cached_b, batch, step)
     if not loss_is_finite(trainer, out, step):
         return out, False
     leaves = point_tensors(cached_a) + point_tensors(cached_b)
-    grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
+    grads = tuple(torch.autograd.grad(out.loss, leaves, allow_unused=True))
     rows = rt.plan.micro_size
     for k, piece in enumerate(micro):
         last = k == len(micro) - 1
-
-        def surrogate(part_a, part_b, k=k, last=last):
-            tensors = point_tensors(part_a.float()) + point_tensors(part_b.float())
-            total = sum(
-                (tensor * grad[k * rows : (k + 1) * rows]).sum()
-                for tensor, grad in zip(tensors, grads, strict=True)
-                if grad is not None
-            )
-            if last:
-                detached_a, detached_b = cached_a.detach(), cached_b.detach()
-                total = total + contrastive_loss(trainer, detached_a, detached_b, batch, step).loss
-            return LossOutput(loss=total)
-
-        with rt.no_sync(model, last):
-            piece_loss, _ = forward_loss(trainer, piece, surrogate)
-            rt.backward(piece_loss, model, last=last)
+        whole = (cached_a.detach(), cached_b.detach(), batch) if last else None
+        gradient = FeatureGradient(grads, slice(k * rows, (k + 1) * rows), whole)
+        with rt.no_sync(training_step, last):
+            share, _ = training_step(piece, step, gradient)
+            rt.backward(share, training_step, last=last)
     return out, True
 
 

@@ -1,7 +1,10 @@
 """Build everything the training loop touches from a validated recipe (:func:`build_trainer`).
 
 The recipe's sections are read once here (``Trainer.settings`` is the ``train`` section) and the
-batch is split once by the runtime (``runtime.plan``).
+batch is split once by the runtime (``runtime.plan``). Resuming is three calls, in this order:
+:func:`~clipkit.train.checkpoint.open_checkpoint` (verify, check the process count),
+:meth:`Runtime.prepare` (the runtime's state around wrapping) and
+:func:`~clipkit.train.checkpoint.restore_trainer` (everything else).
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -23,13 +27,14 @@ from clipkit.errors import ClipkitError, DataError
 from clipkit.init_weights import prepare_model
 from clipkit.machine import apply as apply_machine_fit
 from clipkit.machine import fit_to_machine, launch_warning
-from clipkit.model import batched_input_size, build_model, build_slot, build_transform
-from clipkit.recipe import distributed_config, save_recipe, section
+from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
+from clipkit.recipe import DataConfig, TrainConfig, distributed_config, save_recipe, section
 from clipkit.registry import Registry
-from clipkit.train.checkpoint import latest_checkpoint, load_state, load_weights, restore_trainer
+from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.runtime import Runtime
-from clipkit.types import optional_member
+from clipkit.train.step import TrainingStep
+from clipkit.types import Loss, optional_member
 
 
 @dataclass(frozen=True)
@@ -41,24 +46,42 @@ class RunInfo:
     is_main: bool
 
 
+class TrainingStream(Protocol):
+    """This process's batches: a :class:`BatchStream` over shards, or a registered stream
+    (``data.stream``; see :func:`clipkit.hookspecs.register_streams`)."""
+
+    num_samples: int
+    epoch: int
+    batch_in_epoch: int
+
+    def __iter__(self) -> Iterator[dict]: ...
+    def position(self) -> dict[str, int]: ...
+    def restore(self, position: dict[str, int]) -> None: ...
+
+
 @dataclass
 class Trainer:
-    """Everything the loop touches, built from a validated recipe."""
+    """Everything the loop touches, built from a validated recipe.
+
+    Who changes what: :func:`build_trainer` sets every field once; :func:`restore_trainer` sets
+    ``start_step`` and ``skipped_steps`` from a checkpoint; afterwards only the training loop
+    (:mod:`clipkit.train.loop`) changes ``skipped_steps``.
+    """
 
     recipe: dict
-    settings: Any  # the recipe's ``train`` section, typed, with defaults (clipkit.recipe.TrainSection)
+    settings: TrainConfig  # the recipe's ``train`` section, typed, with defaults
     registry: Registry
     runtime: Runtime
-    model: Any  # as prepared by the runtime (DDP module or DeepSpeed engine)
-    similarity: Any  # the plain similarity module inside ``model``
-    loss: Any
-    optimizer: Any
-    schedule: Any
-    stream: Any  # BatchStream over shards, or a registered stream (data.stream)
+    model: ContrastiveModel  # the plain model (towers + similarity): what evaluation and export see
+    step: torch.nn.Module  # TrainingStep over ``model``, as wrapped by the runtime (DDP or DeepSpeed engine)
+    loss: Loss
+    optimizer: torch.optim.Optimizer  # as wrapped by the runtime
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    stream: TrainingStream
     run: RunInfo
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
-    augment: Any = None  # BatchedDeviceAugment under data.augment: batched
+    augment: BatchedDeviceAugment | None = None  # under data.augment: batched
 
 
 def default_shard_dir(source: str) -> Path:
@@ -106,36 +129,36 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     two_view, batched = model.pair == "two_view", data.augment == "batched"
     if settings.compile != "none":
         model = compile_model(model, settings.compile)
-    checkpoint_path = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint_path is None:
-        raise ClipkitError(f"{run_dir}: nothing to resume (no complete checkpoints/step-*)")
-    state = load_state(checkpoint_path) if checkpoint_path else None
-    if state is not None and runtime.strategy.state_in_checkpoint_file:
-        load_weights(model, optimizer, state, checkpoint_path)  # before DDP wraps it (all load the same)
+    checkpoint = open_checkpoint(run_dir, runtime.world_size) if resume else None
     if isinstance(loss, torch.nn.Module):
         loss.to(runtime.device)
-    prepared_model, prepared_optimizer = runtime.prepare(model, optimizer)
+    training_step = TrainingStep(model)
+    resumed = {"checkpoint": checkpoint.path, "state": checkpoint.state} if checkpoint else {}
+    prepared_step, prepared_optimizer = runtime.prepare(training_step, optimizer, **resumed)
     trainer = Trainer(
         recipe=recipe,
         settings=settings,
         registry=registry,
         runtime=runtime,
-        model=prepared_model,
-        similarity=runtime.unwrap(prepared_model).similarity,
+        model=model,
+        step=prepared_step,
         loss=loss,
         optimizer=prepared_optimizer,
         schedule=schedule,
         stream=stream,
         run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
     )
+    training_step.trainer = trainer  # the step reads the trainer's runtime, loss and stream
     if batched:
         trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)
-    if state is not None:
-        restore_trainer(trainer, checkpoint_path, state)
+    if checkpoint is not None:
+        restore_trainer(trainer, checkpoint)
     return trainer
 
 
-def build_stream(recipe: dict, runtime: Runtime, registry: Registry, model):
+def build_stream(
+    recipe: dict, runtime: Runtime, registry: Registry, model: ContrastiveModel
+) -> TrainingStream:
     """This process's batches: a registered stream (``data.stream``) or the recipe's shards (made
     from ``data.source`` first when missing)."""
     data, settings = section(recipe, "data"), section(recipe, "train")
@@ -240,7 +263,7 @@ def fit_batch_to_data(runtime: Runtime, num_samples: int, shards) -> None:
         )
 
 
-def compile_model(model, mode: str):
+def compile_model(model: ContrastiveModel, mode: str) -> ContrastiveModel:
     """``train.compile``: the towers through ``torch.compile`` (refused where it cannot run)."""
     from clipkit.train.compile import compile_towers, compile_unavailable
 
@@ -250,7 +273,7 @@ def compile_model(model, mode: str):
     return compile_towers(model, mode)
 
 
-def shard_target(data) -> str:
+def shard_target(data: DataConfig) -> str:
     """The shard directory a recipe's ``data`` trains on: ``data.shards``, or where ``data.source``'s go."""
     return data.shards or str(default_shard_dir(data.source))
 
@@ -273,7 +296,7 @@ def check_data_location(recipe: dict, registry: Registry) -> None:
         check_shards(shard_target(data), data.source, pm=registry.pm)
 
 
-def ensure_shards_once(runtime: Runtime, data, registry: Registry) -> str:
+def ensure_shards_once(runtime: Runtime, data: DataConfig, registry: Registry) -> str:
     """Shard the recipe's source on the main process only; the others wait and read the result."""
     target = shard_target(data)
     if runtime.is_main:
@@ -284,7 +307,7 @@ def ensure_shards_once(runtime: Runtime, data, registry: Registry) -> str:
     return target
 
 
-def enable_grad_checkpointing(model) -> None:
+def enable_grad_checkpointing(model: ContrastiveModel) -> None:
     """``train.grad_checkpointing``: turn on every encoder module's ``grad_checkpointing`` switch."""
     switched = []
     for name in ("image_encoder", "text_encoder"):
@@ -302,18 +325,18 @@ def enable_grad_checkpointing(model) -> None:
         )
 
 
-def check_loss_fits_runtime(loss, similarity, runtime: Runtime) -> None:
+def check_loss_fits_runtime(loss: Loss, similarity: torch.nn.Module, runtime: Runtime) -> None:
     """Refuse combinations that would silently train something else than the recipe says."""
     name = type(loss).__name__
     accumulating = runtime.plan.micro_batches > 1
-    if accumulating and "index" in optional_member(loss, "requires"):
+    if accumulating and optional_member(loss, "stateful"):
         raise ClipkitError(
             f"train.micro_batch_size: exact gradient accumulation re-runs the encoders after the loss, but "
             f"{name} updates per-sample state from each batch "
             f"(METHODS §11: SogCLR/NUCLR forbid accumulation); "
             f"use micro_batch_size 0 and a batch that fits, or more processes"
         )
-    refusal = runtime.strategy.exact_accumulation_refusal
+    refusal = runtime.exact_accumulation_refusal
     if accumulating and refusal:
         raise ClipkitError(f"train.micro_batch_size: {refusal}")
     if runtime.local_loss:

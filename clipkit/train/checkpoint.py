@@ -7,17 +7,24 @@
   data position, the fp16 loss scaler, the resolved recipe, the number of processes and — without
   DeepSpeed — the model and optimiser;
 - ``rng-<rank>.pt``: every RNG state of each process;
-- ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser;
+- ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser, whose layout
+  only :mod:`clipkit.train.runtime.partitions` knows;
 - ``checkpoint.json`` (written last): the sha256 of every other file, checked on load.
 
 Files hold only tensors and plain types and load with ``weights_only=True``: a checkpoint is never
 unpickled (:mod:`clipkit.safe_load`), so a crafted one cannot run code on ``--resume`` or export.
 
-Every process writes into ``.step-00000123.partial/``; when all are done the main process renames
-it to ``step-00000123`` — one atomic rename, so a crash or ``kill -9`` mid-write never leaves a
-half checkpoint where resume would find it — then prunes all but the newest ``keep``. A full disk
-(:func:`clipkit.io.writing`) removes the ``.partial`` directory and keeps the earlier checkpoints.
-Checkpoints of multi-node runs must be on a filesystem every node sees.
+The commit protocol (:func:`save_checkpoint`). Every process writes into
+``.step-00000123.partial/``; when all are done the main process writes state.pt and the manifest,
+then renames the directory to ``step-00000123`` — one atomic rename, so a crash or ``kill -9``
+mid-write never leaves a half checkpoint where resume would find it — then prunes all but the
+newest ``keep``. A full disk (:func:`clipkit.io.writing`) removes the ``.partial`` directory and
+keeps the earlier checkpoints. Checkpoints of multi-node runs must be on a filesystem every node sees.
+
+Resuming (:func:`open_checkpoint`, then :meth:`clipkit.train.runtime.Runtime.prepare`, then
+:func:`restore_trainer`): the newest complete checkpoint is verified and its process count checked
+before anything loads; the runtime loads what it owns (model, optimiser, ZeRO partitions, loss
+scale) around wrapping; :func:`restore_trainer` loads the rest into the built trainer.
 """
 
 from __future__ import annotations
@@ -27,18 +34,23 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
 from clipkit.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
-from clipkit.safe_load import check_deepspeed_files, decode_rng, encode_rng, first_line, load_file
+from clipkit.safe_load import decode_rng, encode_rng, load_file
+from clipkit.train.runtime import partitions, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from clipkit.train.build import Trainer
 
 PATTERN = re.compile(r"^step-(\d{8})$")
-STATE, DEEPSPEED, MANIFEST = "state.pt", "deepspeed", "checkpoint.json"
+STATE, MANIFEST = "state.pt", "checkpoint.json"
 MANIFEST_FORMAT = "clipkit-checkpoint/1"
 #: Keys of ``state.pt`` that resuming reads, with the types they must have.
 STATE_KEYS = {"step": int, "schedule": dict, "data": dict}
@@ -75,6 +87,11 @@ def save_checkpoint(
     ``write_shards(directory)`` runs on every process (its RNG file, DeepSpeed partitions);
     ``state()`` is called on the main process only, after the shards are written.
     """
+    # Why this order: the shards and state.pt go into a directory resume never reads (".partial");
+    # the barriers make every process's files complete before the main process writes the manifest
+    # (hashes of everything) and renames — the rename is the commit, so a checkpoint is either
+    # complete and verified or absent. fsync before and after the rename: the directory entry must
+    # not reach the disk before the files it names.
     building, final = partial_dir(run_dir, step), final_dir(run_dir, step)
     earlier = latest_checkpoint(run_dir)
     sizes: dict[str, int] = {}
@@ -91,21 +108,24 @@ def save_checkpoint(
         if is_main:
             shutil.rmtree(building, ignore_errors=True)  # leftovers of a run killed mid-write
             building.mkdir(parents=True)
-        barrier()
+        barrier()  # nobody writes before the directory exists
         write_shards(building)
-        barrier()
+        barrier()  # every process's files are complete before the manifest hashes them
         if is_main:
             value = {"step": step, **state()}
             sizes["state"] = tensor_bytes(value)
+            # state.pt is what list_checkpoints looks for, but only under the final name: inside
+            # ".partial" it marks nothing, so writing it before the manifest is safe.
             _save(building / STATE, value)
-            write_manifest(building)
-            fsync_directory(building)
+            write_manifest(building)  # hashes of every file: resume refuses a changed or missing one
+            fsync_directory(building)  # the entries exist on disk before the rename can publish them
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
-            os.replace(building, final)
-            fsync_directory(final.parent)
+            os.replace(building, final)  # the commit: atomic, the checkpoint is now visible whole
+            fsync_directory(final.parent)  # the rename itself survives a power cut
+            # Pruning only after the commit: until then the earlier checkpoints are the resume point.
             for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    barrier()  # no process returns (and trains on) before the checkpoint is committed
     return final
 
 
@@ -141,7 +161,7 @@ def verify_checkpoint(path: Path) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"{manifest_path}: not a clipkit checkpoint manifest ({MANIFEST_FORMAT})")
     present = (str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
-    loaded = [n for n in present if n == STATE or n.startswith(("rng-", f"{DEEPSPEED}/"))]
+    loaded = [n for n in present if n == STATE or n.startswith("rng-") or partitions.holds(n)]
     verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint", required=loaded)
 
 
@@ -169,8 +189,7 @@ def load_state(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: not a checkpoint ({STATE} is missing); resume from another one")
     if policy().verify:
         verify_checkpoint(path)
-    if (path / DEEPSPEED).is_dir():
-        check_deepspeed_files(path / DEEPSPEED)
+    partitions.check_files(path)
     state = load_file(path / STATE, "checkpoint state")
     return check_state(state, path / STATE)
 
@@ -202,19 +221,6 @@ def load_rng(path: Path, rank: int) -> dict[str, Any]:
     return decode_rng(load_file(file, "RNG state"), file)
 
 
-def load_weights(model: torch.nn.Module, optimizer: Any, state: dict[str, Any], path: Path) -> None:
-    """Model and optimiser from ``state`` (runs without DeepSpeed), a mismatch reported as the
-    checkpoint's problem rather than a traceback."""
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
-        raise ArtifactError(
-            f"{Path(path) / STATE}: its model weights do not fit the recipe's model ({first_line(error)}); "
-            f"resume with the recipe the run was trained with"
-        ) from error
-
-
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's state with ``model`` always present: the fp32 weights, consolidated from
     the ZeRO partitions for DeepSpeed runs (any stage; no process group needed)."""
@@ -222,38 +228,50 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if state.get("model") is not None and not isinstance(state["model"], dict):
         raise ArtifactError(f"{Path(path) / STATE}: `model` is not a state dict; the checkpoint is damaged")
     if state.get("model") is None:
-        state["model"] = consolidate_deepspeed(Path(path) / DEEPSPEED)
+        state["model"] = partitions.consolidate(Path(path))
     return state
 
 
-def consolidate_deepspeed(directory: Path) -> dict[str, torch.Tensor]:
-    """ZeRO 1/2/3 partitions -> one fp32 state dict (DeepSpeed's zero_to_fp32, run in-process)."""
-    if not directory.is_dir():
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint to resume from: its directory and its verified ``state.pt``."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+def open_checkpoint(run_dir: Path, world_size: int) -> Checkpoint:
+    """The newest complete checkpoint of ``run_dir``, verified (:func:`load_state`), refused before
+    anything loads when it was written by another number of processes (the data order and the RNG
+    streams depend on it)."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ClipkitError(f"{run_dir}: nothing to resume (no complete checkpoints/step-*)")
+    state = load_state(path)
+    saved_world = int(state.get("world_size", 1))
+    if saved_world != world_size:
         raise ClipkitError(
-            f"{directory.parent}: the checkpoint holds neither a model nor DeepSpeed partitions"
+            f"{path}: the run used {saved_world} process(es), this launch has {world_size}; resume with "
+            f"{saved_world} (the data order and RNG streams depend on it)"
         )
-    from clipkit.train.runtime.zero import consolidate_zero_checkpoint
-
-    return consolidate_zero_checkpoint(directory)
+    return Checkpoint(path, state)
 
 
-def save_trainer(trainer, step: int) -> Path:
+def save_trainer(trainer: Trainer, step: int) -> Path:
     """Checkpoint a :class:`~clipkit.train.build.Trainer` at ``step``. Every process calls this
     (DeepSpeed partitions and RNG states are per process)."""
-    from clipkit.train.runtime import rng_state
-
     rt = trainer.runtime
+    runtime_part: dict[str, Any] = {}
 
     def write_shards(directory: Path) -> None:
-        rt.save_sharded(trainer.model, directory / DEEPSPEED)
+        runtime_part.update(rt.save(trainer.step, trainer.optimizer, directory))
         save_rng(directory, rt.rank, rng_state())
 
     def state() -> dict:
         return {
-            **rt.strategy.checkpoint_state(trainer.model, trainer.optimizer),
+            **runtime_part,  # model, optimizer, scaler (None under DeepSpeed: in its partitions)
             "schedule": trainer.schedule.state_dict(),
             "loss": trainer.loss.state_dict() if isinstance(trainer.loss, torch.nn.Module) else None,
-            "scaler": rt.scaler_state(),
             "data": trainer.stream.position(),
             "skipped_steps": trainer.skipped_steps,
             "world_size": rt.world_size,
@@ -271,24 +289,16 @@ def save_trainer(trainer, step: int) -> Path:
     )
 
 
-def restore_trainer(trainer, path: Path, state: dict) -> None:
-    """Load a checkpoint into every stateful piece of a freshly built trainer (the strategy loaded
-    the model and optimiser before wrapping them, or loads its partitions here)."""
-    from clipkit.train.runtime import set_rng_state
-
-    rt = trainer.runtime
-    saved_world = int(state.get("world_size", 1))
-    if saved_world != rt.world_size:
-        raise ClipkitError(
-            f"{path}: the run used {saved_world} process(es), this launch has {rt.world_size}; resume with "
-            f"{saved_world} (the data order and RNG streams depend on it)"
-        )
-    rt.load_sharded(trainer.model, Path(path) / DEEPSPEED)
+def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
+    """Load a checkpoint into the trainer's own stateful pieces (the runtime has loaded the model,
+    optimiser and loss scale in :meth:`~clipkit.train.runtime.Runtime.prepare`): the schedule, the
+    loss's per-sample state, the data position, the skipped-step count, this process's RNGs and
+    the step to start from."""
+    state = checkpoint.state
     trainer.schedule.load_state_dict(state["schedule"])
     if state.get("loss") is not None:
         trainer.loss.load_state_dict(state["loss"])
-    rt.load_scaler_state(state.get("scaler"))
     trainer.stream.restore(state["data"])
     trainer.skipped_steps = int(state.get("skipped_steps", 0))
-    set_rng_state(load_rng(path, rt.rank))
+    set_rng_state(load_rng(checkpoint.path, trainer.runtime.rank))
     trainer.start_step = int(state["step"])

@@ -1,9 +1,11 @@
 """The one training loop. Papers differ in plugins and YAML, never here.
 
-Read :func:`train_step` top to bottom — encode, gather, compare, score, back-propagate, step — and
-:func:`train_loop` around it. Everything distributed or precision-related (DDP or DeepSpeed,
-autocast, loss scaling, gathers) is the runtime's (:mod:`clipkit.train.runtime`); building the
-pieces from a recipe is :mod:`clipkit.train.build`'s; checkpoints are :mod:`clipkit.train.checkpoint`'s.
+Read :func:`train_step` top to bottom — the step module (encode, gather, compare, score:
+:class:`clipkit.train.step.TrainingStep`), back-propagate, step — and :func:`train_loop` around it.
+Everything distributed or precision-related (DDP or DeepSpeed, autocast, loss scaling, gathers) is
+the runtime's (:mod:`clipkit.train.runtime`); building the pieces from a recipe is
+:mod:`clipkit.train.build`'s; checkpoints are :mod:`clipkit.train.checkpoint`'s. This module owns
+the run's counters (``trainer.skipped_steps``; a checkpoint restores it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import RunInfo, Trainer, build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
-from clipkit.train.objective import contrastive_loss, forward_loss, handle_nonfinite, loss_is_finite
+from clipkit.train.objective import contrastive_loss, handle_nonfinite, loss_is_finite
 from clipkit.train.runtime import rng_state, set_rng_state
 from clipkit.types import LossOutput, similarity_metrics
 
@@ -28,7 +30,6 @@ __all__ = [
     "accumulate_exactly",
     "build_trainer",
     "contrastive_loss",
-    "forward_loss",
     "prepare_run_dir",
     "train_loop",
     "train_step",
@@ -46,26 +47,27 @@ class StepOutcome:
 
 def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
     """Forward, loss, backward and optimiser step for one contrastive batch."""
-    rt, model = trainer.runtime, trainer.model
+    rt, training_step = trainer.runtime, trainer.step
     if rt.plan.micro_batches > 1:
         # Exact accumulation (train.micro_batch_size): the loss still sees the whole batch.
         out, finite = accumulate_exactly(trainer, batch, step)
     else:
-        # 1. Towers encode this process's batch in the recipe's precision; 2. the point sets are
-        # gathered into the global batch (fp32); 3. the similarity compares them; 4. the loss
-        # scores the logits. All inside the model's forward (see forward_loss: DDP and ZeRO-3).
-        loss, out = forward_loss(trainer, batch, lambda a, b: contrastive_loss(trainer, a, b, batch, step))
+        # 1-4. The step module (clipkit.train.step, wrapped by DDP / DeepSpeed): the towers encode
+        # this process's batch in the recipe's precision, the point sets are gathered into the
+        # global batch (fp32), the similarity compares them, the loss scores the logits.
+        loss, out = training_step(batch, step)
         # Every process must agree before anyone back-propagates a NaN into shared weights.
         finite = loss_is_finite(trainer, out, step)
         if finite:
-            rt.backward(loss, model)  # 5. gradients (loss-scaled under fp16)
+            rt.backward(loss, training_step)  # 5. gradients (loss-scaled under fp16)
     if not finite:
+        trainer.skipped_steps += 1
         return StepOutcome(out, False, None)
     # 6. Clip, step, zero the gradients. Loss scaling may skip a step whose gradients overflowed.
-    result = rt.step(model, trainer.optimizer)
+    result = rt.step(training_step, trainer.optimizer)
     if not result.applied:
         trainer.skipped_steps += 1
-        if not rt.strategy.skips_overflow_steps:  # without loss scaling, a skipped step is a bad gradient
+        if result.bad_gradient:  # not loss scaling at work: a non-finite gradient
             handle_nonfinite(trainer, step, f"the gradient norm is {result.grad_norm}")
     return StepOutcome(out, result.applied, result.grad_norm)
 
@@ -79,7 +81,7 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     batches = iter(trainer.stream)
     last: dict[str, float] = {}
     tick, samples = time.perf_counter(), 0
-    trainer.model.train()
+    trainer.step.train()
     for step in range(trainer.start_step, settings.steps):
         batch = rt.to_device(next(batches))
         if trainer.augment is not None:  # uint8 in, float out: cast again (DeepSpeed half precision)
@@ -114,8 +116,8 @@ def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float) -
     lr = trainer.optimizer.param_groups[0]["lr"]
     metrics = {"loss": float(out.loss.detach()), "lr": lr, "epoch": epoch}
     metrics.update({k: float(v) for k, v in out.metrics.items()})
-    with rt.gathered(trainer.similarity):
-        metrics.update(similarity_metrics(trainer.similarity))
+    with rt.gathered(trainer.model.similarity):
+        metrics.update(similarity_metrics(trainer.model.similarity))
     if outcome.grad_norm is not None:
         metrics["grad_norm"] = outcome.grad_norm
     metrics["skipped_steps"] = trainer.skipped_steps
@@ -142,7 +144,9 @@ def evaluate_during_training(trainer: Trainer, step: int) -> list[dict]:
     if not tasks:
         return []
     rebuild = lambda: build_model(trainer.recipe, trainer.registry)  # noqa: E731
-    model = trainer.runtime.model_for_evaluation(trainer.model, rebuild)  # every process (ZeRO gathers)
+    model = trainer.runtime.model_for_evaluation(
+        trainer.step, trainer.model, rebuild
+    )  # every process (ZeRO gathers)
     if model is None:
         return []
     saved = rng_state()

@@ -1,8 +1,8 @@
-"""The contrastive objective of one step: towers inside the model's forward, the gather into the
-global batch, the similarity and the loss — and what the loop does when the loss is not finite.
+"""The contrastive objective of one step, after the towers: the gather into the global batch, the
+similarity and the loss (:func:`contrastive_loss`) — and what the loop does when the loss is not finite.
 
-Split from :mod:`clipkit.train.loop` so that exact accumulation (:mod:`clipkit.train.accumulate`)
-reuses the same pass without an import cycle.
+:class:`clipkit.train.step.TrainingStep` calls :func:`contrastive_loss` inside its forward; exact
+accumulation (:mod:`clipkit.train.accumulate`) calls it on the cached features too.
 """
 
 from __future__ import annotations
@@ -10,34 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from clipkit.errors import ClipkitError
 from clipkit.types import Logits, LossContext, LossOutput, PointSet, optional_member
 
 if TYPE_CHECKING:
     from clipkit.train.build import Trainer
-
-
-def forward_loss(trainer: Trainer, batch: dict | None, compute) -> tuple[torch.Tensor, LossOutput]:
-    """Run ``compute(a, b) -> LossOutput`` inside the model's forward, after the towers encode
-    ``batch`` under the runtime's autocast (``batch`` None: a = b = None); ``compute`` runs in fp32.
-
-    This is the one place the step calls back into the model: DDP hooks the forward's output, and
-    DeepSpeed ZeRO-3 gathers each module's parameters around its forward and backward, so the
-    similarity (which may own parameters) must run inside ``model.forward``.
-
-    Returns (the loss tensor to back-propagate — the one the forward returned — and the LossOutput).
-    """
-    rt, captured = trainer.runtime, {}
-
-    def then(a, b):
-        with rt.full_precision():
-            captured["out"] = compute(a, b)
-        return captured["out"].loss
-
-    with rt.autocast():  # only the towers run in reduced precision
-        loss = trainer.model(batch, then=then)
-    return loss, captured["out"]
 
 
 def contrastive_loss(
@@ -63,9 +42,9 @@ def contrastive_loss(
     return loss_fn(logits, rt.targets(a.batch_size), ctx)
 
 
-def similarity_of(trainer: Trainer):
-    """The plain similarity module inside the (possibly wrapped) model: the one that scores."""
-    return trainer.runtime.unwrap(trainer.model).similarity
+def similarity_of(trainer: Trainer) -> nn.Module:
+    """The model's similarity module: the one that scores (and owns the comparison's parameters)."""
+    return trainer.model.similarity
 
 
 def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float) -> LossContext:
@@ -98,11 +77,10 @@ def global_fields(trainer: Trainer, batch: dict) -> dict:
 
 def loss_is_finite(trainer: Trainer, out: LossOutput, step: int) -> bool:
     """All processes agree whether the loss is finite; a non-finite one stops the run or
-    (``train.nonfinite: skip``) skips the step."""
+    (``train.nonfinite: skip``) drops the step's gradients, and the caller skips the step."""
     if trainer.runtime.all_true(bool(torch.isfinite(out.loss.detach()))):
         return True
-    trainer.runtime.zero_grad(trainer.model, trainer.optimizer)
-    trainer.skipped_steps += 1
+    trainer.runtime.zero_grad(trainer.step, trainer.optimizer)
     handle_nonfinite(trainer, step, f"the loss is {float(out.loss.detach())}")
     return False
 
@@ -111,7 +89,7 @@ def handle_nonfinite(trainer: Trainer, step: int, what: str) -> None:
     """Raise unless the recipe says skip — and always for per-sample-state losses, whose state the
     non-finite batch has already corrupted."""
     skip = trainer.settings.nonfinite == "skip"
-    stateful = "index" in optional_member(trainer.loss, "requires")
+    stateful = optional_member(trainer.loss, "stateful")
     if skip and not stateful:
         return
     reason = (

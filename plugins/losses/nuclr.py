@@ -253,6 +253,7 @@ class CompositionalContrastive(nn.Module):
     """
 
     requires: frozenset[str] = frozenset({"index", "epoch", "step"})
+    stateful = True  # every call updates the per-sample state: no accumulation, no skipped steps
 
     def __init__(
         self,

@@ -4,7 +4,8 @@ Plugins (encoders, similarities, losses) never see ranks, devices or dtypes, and
 never asks which strategy runs: :class:`Runtime` starts the processes (Accelerate), splits the
 contrastive batch once (:class:`BatchPlan`), gathers features into the global batch in fp32 with
 the recipe's gather semantics (METHODS §11), and delegates everything that differs between plain/DDP
-and DeepSpeed ZeRO runs to one :class:`~clipkit.train.runtime.strategy.Strategy`:
+and DeepSpeed ZeRO runs to one :class:`~clipkit.train.runtime.strategy.Strategy`, which no caller
+sees (``.strategy`` is read only inside this package; tests/test_architecture.py checks):
 
 - :class:`~clipkit.train.runtime.ddp.DDPStrategy` (one process or DDP): ``torch.autocast`` for the
   towers, a ``GradScaler`` under fp16;
@@ -12,6 +13,12 @@ and DeepSpeed ZeRO runs to one :class:`~clipkit.train.runtime.strategy.Strategy`
   and loss scaling, per-process checkpoint partitions.
 
 Either way gathered features are upcast, so similarities and losses compute in fp32.
+
+A caller asks the runtime for what it needs: :meth:`Runtime.prepare` (wrap model and optimiser,
+loading a checkpoint's weights before wrapping or its ZeRO partitions after), :meth:`Runtime.backward`
+(with the accumulation scaling contract), :meth:`Runtime.step` (which says whether an unapplied step
+was a loss-scaling overflow or a bad gradient), :meth:`Runtime.save` (this process's part of a
+checkpoint). DeepSpeed's checkpoint files are :mod:`clipkit.train.runtime.partitions`'.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,7 +115,7 @@ class Runtime:
                 f"WORLD_SIZE says {launched_world} processes but Accelerate started {self.world_size}"
             )
         self.grad_clip = grad_clip
-        self.strategy: Strategy = self._strategy(grad_clip)
+        self._strategy: Strategy = self._make_strategy(grad_clip)
         seed_everything(seed)
 
     def refit_batch(self, global_size: int) -> None:
@@ -115,9 +123,9 @@ class Runtime:
         ``prepare`` only, since DeepSpeed's configuration carries the batch split."""
         split_micro = self.plan.micro_size if self.plan.micro_size != self.plan.local_size else 0
         self.plan = BatchPlan.split(global_size, split_micro, self.world_size)
-        self.strategy = self._strategy(self.grad_clip)
+        self._strategy = self._make_strategy(self.grad_clip)
 
-    def _strategy(self, grad_clip: float) -> Strategy:
+    def _make_strategy(self, grad_clip: float) -> Strategy:
         if self.config.strategy != "deepspeed":
             from clipkit.train.runtime.ddp import DDPStrategy
 
@@ -156,105 +164,97 @@ class Runtime:
         return self.accelerator.num_processes
 
     @property
-    def uses_deepspeed(self) -> bool:
-        return self.strategy.name == "deepspeed"
-
-    @property
-    def local_batch_size(self) -> int:
-        return self.plan.local_size
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.plan.micro_size
-
-    @micro_batch_size.setter
-    def micro_batch_size(self, value: int) -> None:
-        """Re-split this process's share (tests compare micro-batch sizes on one runtime)."""
-        self.plan = BatchPlan.split(self.plan.global_size, value, self.world_size)
-
-    @property
-    def micro_batches(self) -> int:
-        return self.plan.micro_batches
-
-    @property
     def local_loss(self) -> bool:
         """Each process scores its own anchors against all candidates (only with several processes)."""
         return self.config.local_loss and self.world_size > 1
 
     @property
-    def scaler(self):
-        """The fp16 ``GradScaler`` (None otherwise, and under DeepSpeed, which scales itself)."""
-        return self.strategy.scaler
+    def exact_accumulation_refusal(self) -> str | None:
+        """Why exact gradient accumulation cannot run with this strategy (ZeRO-3), or None."""
+        return self._strategy.exact_accumulation_refusal
 
-    @scaler.setter
-    def scaler(self, value) -> None:
-        self.strategy.scaler = value
+    # ------------------------------------------------------------------ wrapping and resuming
 
-    # ------------------------------------------------------------------ delegated to the strategy
+    def prepare(self, model, optimizer, *, checkpoint: Path | None = None, state: dict | None = None):
+        """Wrap model and optimiser (DDP, or a DeepSpeed engine); never the data loader.
 
-    def prepare(self, model, optimizer):
-        """Wrap model and optimiser (DDP, or a DeepSpeed engine); never the data loader."""
-        return self.strategy.prepare(model, optimizer)
+        With ``checkpoint`` (its directory) and ``state`` (its verified state.pt), what the runtime
+        owns of a run is resumed here, each in the only order that works: state.pt's model and
+        optimiser before wrapping (DDP then broadcasts what every process loaded alike), the ZeRO
+        partitions after (only an engine can read them), and the fp16 loss scale. The rest of a
+        resume (schedule, loss state, data position, RNGs) is
+        :func:`clipkit.train.checkpoint.restore_trainer`'s.
+        """
+        if checkpoint is not None:
+            self._strategy.load_before_wrapping(model, optimizer, state, checkpoint)
+        prepared_model, prepared_optimizer = self._strategy.prepare(model, optimizer)
+        if checkpoint is not None:
+            self._strategy.load_after_wrapping(prepared_model, checkpoint, state)
+        return prepared_model, prepared_optimizer
 
-    def unwrap(self, model):
-        """The plain ContrastiveModel inside DDP / a DeepSpeed engine."""
-        return self.strategy.unwrap(model)
+    def save(self, model, optimizer, checkpoint: Path) -> dict:
+        """This process's part of a checkpoint being written in directory ``checkpoint``; every
+        process calls. DeepSpeed writes each process's ZeRO partition there; the returned dict is
+        what the main process puts into state.pt (``model``, ``optimizer``, ``scaler``: the weights
+        and the loss scale without DeepSpeed, None with it)."""
+        return self._strategy.save(model, optimizer, checkpoint)
+
+    # ------------------------------------------------------------------ one step
 
     def autocast(self):
         """Reduced precision for the towers."""
-        return self.strategy.autocast()
+        return self._strategy.autocast()
 
     def full_precision(self):
         """Leave the towers' autocast: similarities and losses always compute in fp32."""
-        return self.strategy.full_precision()
+        return self._strategy.full_precision()
 
     def no_sync(self, model, last: bool):
         """Skip the gradient all-reduce on every micro-batch but the last."""
-        return self.strategy.no_sync(model, last)
+        return self._strategy.no_sync(model, last)
 
     def backward(self, loss: torch.Tensor, model, *, last: bool = True) -> None:
-        """Accumulate gradients of ``loss`` (micro-batch surrogates already carry the full-batch scale)."""
-        self.strategy.backward(loss, model, last=last, micro_batches=self.plan.micro_batches)
+        """Accumulate the gradients of ``loss``; ``last`` marks the step's last micro-batch.
+
+        The accumulation scaling contract, in one place: the caller's ``loss`` already carries the
+        full-batch scale (exact accumulation back-propagates each micro-batch's *share* of the
+        full-batch gradient, :mod:`clipkit.train.accumulate`), so the gradients the micro-batches
+        add up to are the full batch's and must reach the optimiser unscaled. DeepSpeed divides each
+        micro-batch's gradient by the accumulation steps whatever its ``scale_wrt_gas`` says, so the
+        loss is multiplied back by the micro-batch count before it sees it; DDP adds them as they are.
+        """
+        if self._strategy.divides_by_accumulation_steps:
+            loss = loss * self.plan.micro_batches
+        self._strategy.backward(loss, model, last=last)
 
     def step(self, model, optimizer) -> StepResult:
-        """Clip (``grad_clip`` > 0), step, zero the gradients; a loss-scaled step whose gradients
-        overflowed is skipped (``applied`` False)."""
-        return self.strategy.step(model, optimizer)
+        """Clip (``grad_clip`` > 0), step, zero the gradients. An unapplied step either overflowed
+        under loss scaling (``overflowed``: expected, the scale was lowered) or had a non-finite
+        gradient (``bad_gradient``)."""
+        return self._strategy.step(model, optimizer)
 
     def zero_grad(self, model, optimizer) -> None:
         """Drop accumulated gradients without stepping (a skipped step)."""
-        self.strategy.zero_grad(model, optimizer)
+        self._strategy.zero_grad(model, optimizer)
 
-    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
-        """The full fp32 weights on the main process (None elsewhere); every process must call."""
-        return self.strategy.full_state_dict(model, self.is_main)
+    # ------------------------------------------------------------------ full weights
 
     def gathered(self, module):
         """Full parameters of ``module`` readable inside (ZeRO-3 partitions them); every process enters."""
-        return self.strategy.gathered(module)
+        return self._strategy.gathered(module)
 
-    def model_for_evaluation(self, model, rebuild):
-        """The fp32 model to evaluate on the main process (None elsewhere); every process must call."""
-        return self.strategy.model_for_evaluation(model, rebuild, self.device, self.is_main)
-
-    def save_sharded(self, model, directory) -> None:
-        self.strategy.save_sharded(model, directory)
-
-    def load_sharded(self, model, directory) -> None:
-        self.strategy.load_sharded(model, directory)
-
-    def scaler_state(self) -> dict | None:
-        return self.strategy.scaler_state()
-
-    def load_scaler_state(self, state: dict | None) -> None:
-        self.strategy.load_scaler_state(state)
+    def model_for_evaluation(self, model, plain, rebuild):
+        """The fp32 model to evaluate on the main process (None elsewhere); every process must call.
+        ``model`` is the prepared one, ``plain`` the model inside it, ``rebuild()`` a fresh one (the
+        weights of a DeepSpeed engine may be partitioned or in half precision)."""
+        return self._strategy.model_for_evaluation(model, plain, rebuild, self.device, self.is_main)
 
     # ------------------------------------------------------------------ data and gathers
 
     def to_device(self, batch: Any) -> Any:
         """Move a batch to the device (in the strategy's input dtype)."""
         if isinstance(batch, torch.Tensor):
-            return self.strategy.cast_input(batch.to(self.device, non_blocking=True))
+            return self._strategy.cast_input(batch.to(self.device, non_blocking=True))
         if isinstance(batch, dict):
             return {k: self.to_device(v) for k, v in batch.items()}
         return batch
@@ -279,10 +279,6 @@ class Runtime:
 
     def gather_list(self, values: list) -> list:
         return collectives.gather_objects(values)
-
-    def local_rows(self, local_size: int) -> slice:
-        """This process's rows of the global batch."""
-        return slice(self.rank * local_size, (self.rank + 1) * local_size)
 
     def targets(self, anchors: int, offset: int = 0) -> torch.Tensor:
         """[anchors] column of each anchor's positive: the diagonal, shifted by ``offset`` for

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 
+from clipkit.errors import ArtifactError
+from clipkit.safe_load import first_line
 from clipkit.train.runtime.strategy import HALF, StepResult
 
 
@@ -20,16 +23,11 @@ class DDPStrategy:
 
     name = "ddp"
     exact_accumulation_refusal = None  # exact accumulation works with DDP
-    state_in_checkpoint_file = True  # the model and optimiser go into state.pt
+    divides_by_accumulation_steps = False  # each backward adds its gradient as it is
 
     def __init__(self, accelerator, *, precision: str, grad_clip: float) -> None:
         self.accelerator, self.precision, self.grad_clip = accelerator, precision, grad_clip
         self.scaler = torch.amp.GradScaler(accelerator.device.type) if precision == "fp16" else None
-
-    @property
-    def skips_overflow_steps(self) -> bool:
-        """Whether an unapplied step is loss scaling at work (expected) rather than a bad gradient."""
-        return self.scaler is not None
 
     def prepare(self, model, optimizer):
         return self.accelerator.prepare(model, optimizer)
@@ -60,7 +58,7 @@ class DDPStrategy:
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
 
-    def backward(self, loss: torch.Tensor, model, *, last: bool, micro_batches: int) -> None:
+    def backward(self, loss: torch.Tensor, model, *, last: bool) -> None:
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
         else:
@@ -83,7 +81,9 @@ class DDPStrategy:
             if applied:
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(applied, norm)
+        # Only the GradScaler skips a step because of overflow; without one, an unapplied step had
+        # a non-finite gradient.
+        return StepResult(applied, norm, overflowed=not applied and self.scaler is not None)
 
     def _grad_norm(self, model) -> float:
         if self.grad_clip > 0:
@@ -96,30 +96,36 @@ class DDPStrategy:
 
     # ------------------------------------------------------------------ state
 
-    def checkpoint_state(self, model, optimizer) -> dict:
-        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+    def save(self, model, optimizer, checkpoint: Path) -> dict:
+        """Nothing per process: the model, optimiser and scaler go into the main process's state.pt."""
+        scaler = None if self.scaler is None else self.scaler.state_dict()
+        return {
+            "model": self.unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler,
+        }
 
-    def save_sharded(self, model, directory) -> None:
-        """Nothing per process beyond RNG states: the model is in state.pt."""
+    def load_before_wrapping(self, model, optimizer, state: dict, checkpoint: Path) -> None:
+        """state.pt's model and optimiser, loaded before DDP wraps them (every process loads the
+        same file, so DDP's initial broadcast changes nothing); a mismatch is reported as the
+        checkpoint's problem rather than a traceback."""
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
+            raise ArtifactError(
+                f"{Path(checkpoint) / 'state.pt'}: its model weights do not fit the recipe's model "
+                f"({first_line(error)}); resume with the recipe the run was trained with"
+            ) from error
 
-    def load_sharded(self, model, directory) -> None:
-        """Nothing to load: the trainer loaded state.pt's model and optimiser before wrapping."""
-
-    def full_state_dict(self, model, is_main: bool) -> dict[str, torch.Tensor] | None:
-        if not is_main:
-            return None
-        return {k: v.detach().float().cpu().clone() for k, v in self.unwrap(model).state_dict().items()}
+    def load_after_wrapping(self, model, checkpoint: Path, state: dict) -> None:
+        """The fp16 loss scale (nothing else is left once the weights are loaded)."""
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
 
     def gathered(self, module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def model_for_evaluation(self, model, rebuild, device, is_main: bool):
-        """The in-memory model itself on the main process (None elsewhere); ``rebuild`` is unused."""
-        return self.unwrap(model) if is_main else None
-
-    def scaler_state(self) -> dict | None:
-        return None if self.scaler is None else self.scaler.state_dict()
-
-    def load_scaler_state(self, state: dict | None) -> None:
-        if self.scaler is not None and state is not None:
-            self.scaler.load_state_dict(state)
+    def model_for_evaluation(self, model, plain, rebuild, device, is_main: bool):
+        """The in-memory ``plain`` model on the main process (None elsewhere); ``rebuild`` is unused."""
+        return plain if is_main else None

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from clipkit import install_hint
-from clipkit.errors import ArtifactError, ClipkitError
+from clipkit.errors import ClipkitError
+from clipkit.train.runtime import partitions
 from clipkit.train.runtime.strategy import HALF, StepResult
 
 
@@ -22,8 +23,7 @@ class DeepSpeedStrategy:
     """The strategy for DeepSpeed ZeRO (see :class:`clipkit.train.runtime.strategy.Strategy`)."""
 
     name = "deepspeed"
-    state_in_checkpoint_file = False  # the engine writes its own partitions
-    skips_overflow_steps = True  # DeepSpeed's loss scaler skips overflowing fp16 steps; bf16/fp32 never
+    divides_by_accumulation_steps = True  # its hooks divide every micro-batch's gradient (see backward)
 
     def __init__(self, *, precision: str, zero_stage: int, config: dict) -> None:
         self.precision, self.zero_stage, self.config = precision, zero_stage, config
@@ -73,36 +73,45 @@ class DeepSpeedStrategy:
     def no_sync(self, model, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine reduces at the accumulation boundary itself
 
-    def backward(self, loss: torch.Tensor, model, *, last: bool, micro_batches: int) -> None:
-        """DeepSpeed reduces at ``last`` and divides every micro-batch's gradient by the
-        accumulation steps (its hooks do so whatever ``scale_wrt_gas`` says); the caller's
-        surrogates already carry the full-batch scale, so the loss is multiplied back first."""
+    def backward(self, loss: torch.Tensor, model, *, last: bool) -> None:
+        """DeepSpeed reduces the gradients at ``last`` (the accumulation boundary); it divides every
+        micro-batch's gradient by the accumulation steps, which :meth:`Runtime.backward` undoes."""
         model.set_gradient_accumulation_boundary(last)
-        model.backward(loss * micro_batches)
+        model.backward(loss)
 
     def step(self, model, optimizer) -> StepResult:
+        """The engine's step; it skips a step only when its fp16 loss scaler saw an overflow (bf16
+        and fp32 steps are always applied), so an unapplied step is an overflow."""
         skipped_before = model.skipped_steps
         model.step()
-        return StepResult(model.skipped_steps == skipped_before, _float_or_none(model.get_global_grad_norm()))
+        applied = model.skipped_steps == skipped_before
+        return StepResult(applied, _float_or_none(model.get_global_grad_norm()), overflowed=not applied)
 
     def zero_grad(self, model, optimizer) -> None:
         model.zero_grad()
 
     # ------------------------------------------------------------------ state
 
-    def checkpoint_state(self, model, optimizer) -> dict:
-        return {"model": None, "optimizer": None}
+    def save(self, model, optimizer, checkpoint: Path) -> dict:
+        """Every process writes its ZeRO partition (model, optimiser, loss scaler) under the
+        checkpoint; state.pt gets none of them."""
+        model.save_checkpoint(str(partitions.directory(checkpoint)), tag=partitions.TAG, save_latest=False)
+        return {"model": None, "optimizer": None, "scaler": None}
 
-    def save_sharded(self, model, directory: Path) -> None:
-        """Every process writes its ZeRO partition (model + optimiser) under ``directory``."""
-        model.save_checkpoint(str(directory), tag="zero", save_latest=False)
+    def load_before_wrapping(self, model, optimizer, state: dict, checkpoint: Path) -> None:
+        """Nothing: the weights are in the partitions, which only the engine can load."""
 
-    def load_sharded(self, model, directory: Path) -> None:
+    def load_after_wrapping(self, model, checkpoint: Path, state: dict) -> None:
+        """This process's ZeRO partition into the engine (the files were checked before: see
+        :func:`clipkit.train.runtime.partitions.check_files`)."""
+        directory = partitions.directory(checkpoint)
         path, _ = model.load_checkpoint(
-            str(directory), tag="zero", load_optimizer_states=True, load_lr_scheduler_states=False
+            str(directory), tag=partitions.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
-            raise ClipkitError(f"{directory}: no DeepSpeed checkpoint (tag 'zero') to resume from")
+            raise ClipkitError(
+                f"{directory}: no DeepSpeed checkpoint (tag '{partitions.TAG}') to resume from"
+            )
 
     def full_state_dict(self, model, is_main: bool) -> dict[str, torch.Tensor] | None:
         """Every process must call: under ZeRO-3 the partitions are gathered."""
@@ -117,7 +126,7 @@ class DeepSpeedStrategy:
 
         return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
-    def model_for_evaluation(self, model, rebuild, device, is_main: bool):
+    def model_for_evaluation(self, model, plain, rebuild, device, is_main: bool):
         """A fresh fp32 model from ``rebuild()`` with the gathered full weights (the engine's may be
         partitioned or half precision); every process must call."""
         state = self.full_state_dict(model, is_main)
@@ -126,31 +135,6 @@ class DeepSpeedStrategy:
         fresh = rebuild()
         fresh.load_state_dict(state)
         return fresh.to(device)
-
-    def scaler_state(self) -> dict | None:
-        return None
-
-    def load_scaler_state(self, state: dict | None) -> None:
-        """DeepSpeed's scaler state is in its own checkpoint."""
-
-
-def consolidate_zero_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
-    """ZeRO 1/2/3 partitions -> one fp32 state dict (DeepSpeed's zero_to_fp32, in-process)."""
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError as error:
-        raise ClipkitError(
-            f"{directory.parent} is a DeepSpeed checkpoint; install deepspeed ({install_hint('deepspeed')})"
-        ) from error
-    try:  # the files passed check_deepspeed_files in load_state: nothing but allowed types to unpickle
-        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="zero")
-    except Exception as error:  # DeepSpeed raises ValueError, KeyError, FileNotFoundError, asserts
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ArtifactError(
-            f"{directory}: cannot consolidate the ZeRO partitions ({first_line}); the checkpoint is "
-            f"damaged or incomplete — export another one (--checkpoint)"
-        ) from error
-    return {key: value.float().contiguous() for key, value in state.items()}
 
 
 def _float_or_none(value) -> float | None:
