@@ -225,16 +225,14 @@ def train_command(
     from clipkit import api
     from clipkit.train.runtime import launched_as_main
 
+    own_data = None
     if data is not None or eval_data or label is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
-        from clipkit.own_data import own_data_overrides
+        from clipkit.own_data import OwnData
 
-        recipe_eval = api.resolve(recipe, overrides or [], registry()).get("eval")
-        extra, notes = own_data_overrides(
-            data, holdout=holdout, label=label, eval_data=eval_data, recipe_eval=recipe_eval
-        )
-        overrides = extra + list(overrides or [])
+        own_data = OwnData(data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()))
+        notes = own_data.notes()
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
@@ -252,6 +250,7 @@ def train_command(
             progress=lambda done, total, metrics: report(completed=done, total=total, metrics=metrics),
             verify=not no_verify,
             trust_checkpoint=trust_checkpoint,
+            own_data=own_data,
         )
     if result.is_main:  # under `accelerate launch` only process 0 reports
         print_summary(result)

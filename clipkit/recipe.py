@@ -113,6 +113,23 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     return resolved
 
 
+def amend_resolved(recipe: dict, extra: list[str], *, kept: list[str], where: str) -> dict:
+    """A resolved ``recipe`` with ``extra`` overrides applied, as if they had come before ``kept``
+    (the overrides it was resolved with): an extra whose key one of ``kept`` sets, or sets a parent
+    of, is left out, so the user's word still wins. Resolves nothing again."""
+    from omegaconf import OmegaConf
+
+    user_keys = {parse_override(item, where)[0] for item in kept}
+    config = OmegaConf.create({key: value for key, value in recipe.items() if key != "overrides"})
+    for item in extra:
+        key, value = parse_override(item, where)
+        if not any(key == user or key.startswith(f"{user}.") for user in user_keys):
+            apply_override(config, key, value)
+    amended = OmegaConf.to_container(config, resolve=False)
+    amended["overrides"] = list(extra) + list(recipe.get("overrides") or [])
+    return amended
+
+
 #: Bounds on ``${...}`` resolution. A recipe is a few kilobytes; interpolations that repeat a value
 #: (``a1: ${a0}${a0}``, ``a2: ${a1}${a1}``, ...) double it at every level, and OmegaConf resolves each
 #: reference afresh, so 25 levels take tens of gigabytes and 2**25 steps. Both are estimated from the
