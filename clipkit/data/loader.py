@@ -61,6 +61,8 @@ class EpochPlan:
     @classmethod
     def build(cls, shards, *, seed, epoch, rank, world_size, batch_size, resampled=False) -> EpochPlan:
         """``shards``: [(url, count)] from the manifest; the plan is a pure function of the arguments."""
+        # Seeded by (seed, epoch) only, never by rank: every rank must compute the *same* shard order,
+        # or the contiguous ranges below would overlap or leave gaps between ranks.
         rng = random.Random(f"shards:{seed}:{epoch}")
         if resampled:
             ordered = rng.choices(list(shards), k=len(shards))
@@ -68,6 +70,9 @@ class EpochPlan:
             ordered = list(shards)
             rng.shuffle(ordered)
         total = sum(count for _, count in ordered)
+        # Split by samples, not by shards: shards differ in size, so a shard-wise split would give
+        # ranks different batch counts and the collectives of the last steps would wait forever.
+        # A contiguous range also keeps each tar read by at most two ranks (sequential tar I/O).
         low, high = rank * total // world_size, (rank + 1) * total // world_size
         segments, offset = [], 0
         for url, count in ordered:
@@ -75,6 +80,9 @@ class EpochPlan:
             if start < stop:
                 segments.append(Segment(url, start, stop))
             offset += count
+        # The same count on every rank (from total, not from this rank's range, which may be one
+        # sample longer): every rank steps the same number of times per epoch. The samples left
+        # over (fewer than a global batch) wait for a later epoch, whose new order leaves out others.
         return cls(tuple(segments), (total // world_size) // batch_size)
 
 
@@ -84,6 +92,8 @@ def read_segments(segments, holdout: float = 0.0) -> Iterator[dict[str, Any]]:
     import webdataset as wds
 
     for segment in segments:
+        # Positions count records from the start of the tar, so a segment is reached by reading
+        # (not decoding) the records before it: tars have no index to seek with.
         records = wds.tarfile_to_samples()(iter([{"url": segment.url}]))
         kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         try:
@@ -207,6 +217,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        # Every worker walks the whole (cheap, undecoded) record stream and keeps every num_workers-th
+        # batch: the batch order then depends only on the plan and seeds, never on the worker count,
+        # and DataLoader's round-robin over workers hands the batches back in that order. Counting
+        # from skip_batches (a resumed run) keeps worker 0 first, as DataLoader expects.
         for position, records in enumerate(self.record_batches()):
             if position >= self.skip_batches and (position - self.skip_batches) % num_workers == worker:
                 yield self.collate(records)
@@ -216,6 +230,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         text [B,L] token ids, index [B] places among the training samples (the global indices when
         nothing is held out), meta {name: list}."""
         samples = [decode_record(record, "shards") for record in records]
+        # One generator per (sample, epoch), not per worker or batch: a sample's crops and caption
+        # are the same whichever worker decodes it and wherever a resumed run restarts.
         rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{s.meta['index']}") for s in samples]
         # One decode per sample for all its views; each sample's rng draws view 1, view 2, caption.
         transforms = [self.transform] * self.views
@@ -322,6 +338,8 @@ class BatchStream:
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # A fresh DataLoader per epoch: the epoch's plan and seeds are baked into its dataset, and
+        # (epoch, batch_in_epoch) — what a checkpoint saves — is all a resumed run needs to rebuild it.
         while True:
             produced = False
             for batch in self.loader(self.epoch, self.batch_in_epoch):
