@@ -192,19 +192,12 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """quickstart@smoke's shards, made once (each launch would otherwise make them)."""
+    """quickstart@smoke's shards, made once (each launch would otherwise make them); in this
+    process, as ``clipkit shard`` would (no launch is involved in sharding)."""
+    from clipkit import api
+
     root = tmp_path_factory.mktemp("launch")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "clipkit",
-            "shard",
-            "synthetic://shapes?n=512&split=train&image_size=48",
-            str(root / "data" / "smoke-shapes"),
-        ],
-        root,
-    )
+    api.shard("synthetic://shapes?n=512&split=train&image_size=48", root / "data" / "smoke-shapes")
     return root
 
 
