@@ -13,10 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipkit.errors import ClipkitError
 from clipkit.registry import Registry, default_registry
+
+if TYPE_CHECKING:
+    from clipkit.own_data import OwnData
 
 
 @dataclass
@@ -29,12 +32,22 @@ class TrainResult:
     is_main: bool = True  # False on every process but 0 under `accelerate launch`
 
 
-def resolve(spec: str, overrides: list[str], registry: Registry | None = None) -> dict:
-    """Load and validate ``NAME[@VARIANT]`` + overrides (raises RecipeError listing every problem)."""
-    from clipkit.recipe import load_recipe, validate_or_raise
+def resolve(
+    spec: str, overrides: list[str], registry: Registry | None = None, *, own_data: OwnData | None = None
+) -> dict:
+    """Load and validate ``NAME[@VARIANT]`` + overrides (raises RecipeError listing every problem).
+
+    ``own_data`` (``clipkit train --data ...``) adds its overrides to the resolved recipe — they
+    depend on its eval tasks — with the user's ``overrides`` still winning: one resolution.
+    """
+    from clipkit.recipe import amend_resolved, load_recipe, validate_or_raise
 
     registry = registry or default_registry()
-    return validate_or_raise(load_recipe(spec, overrides, registry=registry), registry, where=spec)
+    recipe = load_recipe(spec, overrides, registry=registry)
+    if own_data is not None:
+        extra = own_data.overrides(recipe.get("eval"))
+        recipe = amend_resolved(recipe, extra, kept=list(overrides), where=spec)
+    return validate_or_raise(recipe, registry, where=spec)
 
 
 def check_data(recipe: dict, registry: Registry | None = None) -> None:
@@ -141,19 +154,26 @@ def train(
     progress=None,
     verify: bool | None = None,
     trust_checkpoint: bool | None = None,
+    own_data: OwnData | None = None,
 ) -> TrainResult:
     """Train a recipe; then, if ``train.export``, export to RUN/export and run its eval tasks.
 
     ``verify`` (default on) checks the resumed checkpoint's checksums; ``trust_checkpoint`` allows
-    unpickling it (checkpoints of an older clipkit; see docs/safety.md).
+    unpickling it (checkpoints of an older clipkit; see docs/safety.md). ``own_data``: train and
+    evaluate on the user's data (``clipkit train --data``; a new run only).
     """
     from clipkit.integrity import loading
 
+    if resume and own_data is not None:
+        raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
-        return _train(spec, overrides, run_dir=run_dir, resume=resume, registry=registry, progress=progress)
+        return _train(
+            spec, overrides, run_dir=run_dir, resume=resume, registry=registry, progress=progress,
+            own_data=own_data,
+        )  # fmt: skip
 
 
-def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResult:
+def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=None) -> TrainResult:
     from clipkit.export import EXPORT_OUTPUT
     from clipkit.io import claim_output_directory
     from clipkit.recipe import section, validate_or_raise
@@ -170,7 +190,13 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress) -> TrainResu
         if spec != recipe["name"]:
             raise ClipkitError(f"{run_dir} is a run of recipe {recipe['name']!r}, not {spec!r}")
     else:
-        recipe = resolve(spec, overrides or [], registry)
+        recipe = resolve(spec, overrides or [], registry, own_data=own_data)  # the command's one resolution
+        if own_data is not None and own_data.is_own:
+            from clipkit.run_length import size_run
+
+            recipe, line = size_run(spec, recipe, list(overrides or []), own_data.epochs, registry)
+            if launched_as_main():
+                print(line, flush=True)
         check_data(recipe, registry)  # before the run directory exists, as `clipkit validate` does
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
     with run_directory_lock(run_dir, enabled=launched_as_main()):

@@ -232,22 +232,18 @@ def train_command(
     from clipkit import api
     from clipkit.train.runtime import launched_as_main
 
+    own_data = None
     if data is not None or eval_data or label is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
-        from clipkit.own_data import is_synthetic, own_data_overrides
+        from clipkit.own_data import OwnData
 
-        recipe_eval = api.resolve(recipe, overrides or [], registry()).get("eval")
-        extra, notes = own_data_overrides(
-            data, holdout=holdout, label=label, eval_data=eval_data, recipe_eval=recipe_eval
+        own_data = OwnData(
+            data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs
         )
-        user_overrides = list(overrides or [])
-        overrides = extra + user_overrides
-        if data is not None and not is_synthetic(data):
-            overrides, line = own_data_length(recipe, overrides, user_overrides, epochs)
-            notes.append(line)
-        elif epochs is not None:
+        if epochs is not None and not own_data.is_own:
             raise ClipkitError("--epochs counts passes over your own --data; synthetic data: set train.steps")
+        notes = own_data.notes()
         if launched_as_main():
             for note in notes:
                 typer.echo(note)
@@ -267,31 +263,10 @@ def train_command(
             progress=lambda done, total, metrics: report(completed=done, total=total, metrics=metrics),
             verify=not no_verify,
             trust_checkpoint=trust_checkpoint,
+            own_data=own_data,
         )
     if result.is_main:  # under `accelerate launch` only process 0 reports
         print_summary(result)
-
-
-def own_data_length(spec: str, overrides: list[str], user_overrides: list[str], epochs: float | None):
-    """(overrides with the run's ``train.steps`` sized by epochs over the user's data, the
-    ``N steps = E epochs of your M samples`` line): :mod:`clipkit.run_length`. The table is sharded
-    now (its sample count sets the steps); the user's own ``train.steps=N`` is kept as given."""
-    from clipkit import api, run_length
-    from clipkit.recipe import section
-
-    user_steps = run_length.sets_steps(user_overrides)
-    recipe = api.resolve(spec, overrides, registry())
-    length = run_length.plan(
-        recipe,
-        registry(),
-        epochs=None if user_steps else epochs,
-        by_default=run_length.sized_by_epochs(spec) and not user_steps,
-    )
-    if length is None:
-        return overrides, run_length.UNSIZED_NOTE.format(steps=section(recipe, "train").steps)
-    # before the user's overrides, so an explicit train.steps (kept above) still wins
-    sized = [] if user_steps else [f"train.steps={length.steps}"]
-    return sized + overrides, run_length.plan_line(length)
 
 
 @fails_cleanly

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,37 @@ def streamed_holdout(holdout: float) -> float:
         f"--holdout {holdout:g}: streamed --data has no held-out split (finding it would read every shard "
         "first); give --eval-data, or shard the data with `clipkit shard --split val=F`"
     )
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """``clipkit train --data/--holdout/--label/--eval-data``: the user's data, as recipe overrides.
+
+    The overrides depend on the recipe's own eval tasks (kept when ``data`` is synthetic), so
+    they are made from the resolved recipe (:func:`clipkit.api.resolve`) rather than before it.
+    """
+
+    data: str | None = None
+    holdout: float = DEFAULT_HOLDOUT
+    label: str | None = None
+    eval_data: tuple[str, ...] = ()
+    epochs: float | None = None  # --epochs: passes over the user's data (clipkit.run_length)
+
+    @property
+    def is_own(self) -> bool:
+        """Whether ``data`` is the user's (not synthetic): then the run is sized by epochs over it."""
+        return self.data is not None and not is_synthetic(self.data)
+
+    def overrides(self, recipe_eval: list[dict] | None) -> list[str]:
+        """The ``key=value`` overrides for a recipe whose eval tasks are ``recipe_eval``."""
+        return own_data_overrides(self.data, **self._options(), recipe_eval=recipe_eval)[0]
+
+    def notes(self) -> list[str]:
+        """What to tell the user about their data (where it is sharded, what is held out)."""
+        return own_data_overrides(self.data, **self._options())[1]
+
+    def _options(self) -> dict[str, Any]:
+        return {"holdout": self.holdout, "label": self.label, "eval_data": list(self.eval_data)}
 
 
 def parse_split(text: str) -> tuple[str, float]:

@@ -15,13 +15,21 @@ from __future__ import annotations
 import copy
 import inspect
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, close_matches
 from clipkit.registry import Registry
-from clipkit.settings_schema import parameter_constraints
+from clipkit.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.recipe.DataConfig
+    SECTIONS,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    RootConfig,
+    TrainConfig,
+    parameter_constraints,
+)
 
 
 @dataclass(frozen=True)
@@ -49,131 +57,9 @@ OPTIONAL_SLOTS = ("data.stream",)
 EVAL_INJECTED = frozenset()
 
 
-@dataclass
-class DataConfig:
-    """``data:`` — where training samples come from."""
-
-    shards: str = ""  # directory with manifest.json; created from `source` when missing
-    source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
-    # Streamed sources (docs/data.md): the samples in an epoch when no manifest.json / sizes.json
-    # beside the shards counts them (0: from the counts); a weighted list of shard sets instead of
-    # `shards` ([{shards, weight}], or "W*SHARDS :: W*SHARDS"); what an unreadable shard does
-    # (skip: counted by reason; raise: stop); seconds per connect/read and extra attempts.
-    num_samples: int = 0
-    mixture: Any = None
-    on_error: str = "skip"
-    timeout: float = 30.0
-    retries: int = 3
-    stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
-    batch_size: int = 128
-    # Lower batch_size to what the training split holds when it holds less than one batch (with a
-    # notice) instead of refusing: the tiny variants set it so they run on a small table as given.
-    fit_batch: bool = False
-    num_workers: int | str = "auto"  # loader processes; auto: from the usable CPUs (clipkit.machine)
-    shuffle_buffer: int = 1000
-    resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling
-    crop_scale: tuple = (1.0, 1.0)  # random-resized-crop area range for training images
-    crop_ratio: tuple = (3 / 4, 4 / 3)  # random-resized-crop aspect-ratio range
-    hflip: bool = False  # random horizontal flips (off: captions may say left/right)
-    color_jitter: float = 0.0  # SimCLR colour-distortion strength (two-view recipes: 0.5 or 1.0)
-    grayscale: float = 0.0  # probability of a grey image (SimCLR: 0.2)
-    # Meta-data names the loss reads -> the shard's meta-data keys they come from, e.g.
-    # {age: extent} lets a recipe's kernel on `age` run on data whose column is `extent`.
-    meta_keys: dict = field(default_factory=dict)
-    # Where training augmentation runs: "sample" = per image in the loader (PIL, every option),
-    # "batched" = loader emits uint8 images of `batched_input_size` (0: image_size·8/7) and the
-    # crop/flip/normalise run as one tensor op per batch on the training device (no colour ops).
-    augment: str = "sample"
-    batched_input_size: int = 0
-    # Colour transparent pixels are composited onto when images are decoded: white, black, grey,
-    # "#rrggbb" or [r, g, b] (clipkit.data.image_modes; docs/data.md "Colour modes").
-    background: str | list = "white"
-    # Fraction of samples (by a hash of their key) left out of training for evaluation; set by
-    # `clipkit train --data` (--holdout), see clipkit.own_data.
-    holdout: float = 0.0
-
-
-@dataclass
-class ModelConfig:
-    """``model:`` — shared settings of the towers (the slots are checked separately)."""
-
-    embed_dim: int = 512
-    image_size: int = 224
-    mean: tuple = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation
-    std: tuple = (0.26862954, 0.26130258, 0.27577711)
-    # "image_text"; "two_view": one image encoder, two augmented views; "vectors": two towers over
-    # the stream's vectors batch["x"] [B, dx] and batch["y"] [B, dy], no tokenizer (synthetic studies)
-    pair: str = "image_text"
-    image_encoder: Any = None
-    text_encoder: Any = None
-    tokenizer: Any = None
-    # Start training from existing weights: a path (clipkit export, open_clip / Hugging Face CLIP
-    # directory, OpenAI-layout .safetensors) or {path, include, exclude, strict} (clipkit/init_weights.py).
-    init: Any = None
-    frozen: tuple = ()  # towers to lock while training: image_encoder and/or text_encoder (LiT)
-
-
-@dataclass
-class TrainConfig:
-    """``train:`` — the loop's knobs."""
-
-    steps: int = 1000
-    log_every: int = 10
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    precision: str = "no"  # "no" (fp32), "bf16", "fp16"
-    grad_clip: float = 0.0  # max global grad norm; 0 = off
-    export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
-    eval_every: int = 0  # run the recipe's eval tasks on the in-memory model every N steps; 0 = off
-    # Exact gradient accumulation: each process encodes its share of data.batch_size in micro-batches
-    # of this many samples (0 = all at once); the loss still sees the whole contrastive batch.
-    micro_batch_size: int = 0
-    grad_checkpointing: bool = False  # recompute encoder activations in backward (every encoder's switch)
-    nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" with a message, or "skip" the step
-    compile: str = "none"  # torch.compile the towers: none | default | reduce-overhead | max-autotune
-    threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
-    # Estimate the run's memory before training; refuse it when it exceeds what the machine has
-    # (clipkit.train.memory_fit); false: run anyway
-    memory_check: bool = True
-    distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
-    # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
-    # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)
-    report_to: list = field(default_factory=list)
-
-
-@dataclass
-class DistributedConfig:
-    """``train.distributed:`` — how several processes (``accelerate launch``) share the work.
-
-    gather_with_grad / local_loss choose the gather semantics of METHODS §11 (open_clip's flag names):
-      with grad + local loss   (open_clip, WPSE)  exact: each process scores its own anchors
-      with grad + global loss  (NUCLR; default)   exact: every process scores the whole batch
-      no grad  + local loss    (SLIP)             other processes' features are constants
-      no grad  + global loss   (CLOOB, CyCLIP)    towers get 1/world_size of the full-batch gradient
-    """
-
-    strategy: str = "ddp"  # "ddp" (DistributedDataParallel; one process: plain) or "deepspeed"
-    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3 (strategy: deepspeed)
-    offload_optimizer: str = "none"  # "none" or "cpu" (ZeRO-Offload; DeepSpeed builds CPUAdam on first use)
-    offload_params: str = "none"  # "none" or "cpu" (ZeRO-3 only)
-    gather_with_grad: bool = True
-    local_loss: bool = False
-
-
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
-TOP_LEVEL = {
-    "name",
-    "description",
-    "seed",
-    "eval_seed",
-    "paper",
-    "notes",
-    "eval",
-    "variants",
-    "similarity",
-    "loss",
-}
-TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS)
+#: Top-level keys of a recipe: its description, plugin slots, sections and top-level settings.
+TOP_LEVEL = {"name", "description", "paper", "notes", "eval", "variants", "similarity", "loss"}
+TOP_LEVEL |= {"optimizer", "schedule"} | set(SECTIONS) | {f.name for f in fields(RootConfig)}
 TEXT_SLOTS = ("model.text_encoder", "model.tokenizer")
 
 
@@ -229,6 +115,23 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     resolved["name"] = spec if Path(base_name).suffix not in (".yaml", ".yml") else Path(base_name).stem
     resolved["overrides"] = list(overrides)
     return resolved
+
+
+def amend_resolved(recipe: dict, extra: list[str], *, kept: list[str], where: str) -> dict:
+    """A resolved ``recipe`` with ``extra`` overrides applied, as if they had come before ``kept``
+    (the overrides it was resolved with): an extra whose key one of ``kept`` sets, or sets a parent
+    of, is left out, so the user's word still wins. Resolves nothing again."""
+    from omegaconf import OmegaConf
+
+    user_keys = {parse_override(item, where)[0] for item in kept}
+    config = OmegaConf.create({key: value for key, value in recipe.items() if key != "overrides"})
+    for item in extra:
+        key, value = parse_override(item, where)
+        if not any(key == user or key.startswith(f"{user}.") for user in user_keys):
+            apply_override(config, key, value)
+    amended = OmegaConf.to_container(config, resolve=False)
+    amended["overrides"] = list(extra) + list(recipe.get("overrides") or [])
+    return amended
 
 
 #: Bounds on ``${...}`` resolution. A recipe is a few kilobytes; interpolations that repeat a value

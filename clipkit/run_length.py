@@ -143,3 +143,24 @@ def short_run_note(metrics: dict) -> str | None:
         f"this run ended after {epoch:.2f} of an epoch: the model did not see all its training data "
         "once, so its scores say little; train longer with --epochs E (with --data) or train.steps=N"
     )
+
+
+def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float | None, registry):
+    """(``recipe`` with ``train.steps`` sized by epochs over the user's data, the
+    ``N steps = E epochs of your M samples`` line to print). The table is sharded now (its sample
+    count sets the steps); the user's own ``train.steps=N`` is kept as given."""
+    from clipkit.recipe import amend_resolved, section, validate_or_raise
+
+    user_steps = sets_steps(user_overrides)
+    length = plan(
+        recipe,
+        registry,
+        epochs=None if user_steps else epochs,
+        by_default=sized_by_epochs(spec) and not user_steps,
+    )
+    if length is None:
+        return recipe, UNSIZED_NOTE.format(steps=section(recipe, "train").steps)
+    if not user_steps:
+        recipe = amend_resolved(recipe, [f"train.steps={length.steps}"], kept=user_overrides, where=spec)
+        recipe = validate_or_raise(recipe, registry, where=spec)
+    return recipe, plan_line(length)

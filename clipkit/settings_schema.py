@@ -1,154 +1,184 @@
-"""The allowed values of every numeric and enumerated setting, checked by ``clipkit validate``.
+"""Host settings — ``data.*``, ``model.*``, ``train.*``, ``seed`` — declared once, here.
 
-Host settings (``data.*``, ``model.*``, ``train.*``, ``seed``) declare theirs in :data:`HOST`;
-plugin factories declare theirs on their parameters with :data:`typing.Annotated`::
+Each section of a recipe is a dataclass; each field declares a setting's type, default and (as
+:data:`typing.Annotated` metadata, the same way plugin factories declare their parameters) its
+allowed values. Everything else is derived from these classes, so they cannot disagree:
 
-    from typing import Annotated
-    from clipkit.settings_schema import Range
+* ``clipkit.recipe.section(recipe, "train")`` — the typed view the code reads (defaults filled in);
+* ``validate``'s unknown-key and type checks (:func:`clipkit.recipe.validate`);
+* :data:`HOST`, the range and choice of every constrained setting (:func:`check_host`), so anything
+  ``validate`` accepts cannot fail in ``train`` on a settings error.
 
-    def adamw(named_parameters, lr: Annotated[float, Range(gt=0)] = 5e-4, ...): ...
-
-so anything ``validate`` accepts cannot fail in ``train`` on a settings error. Constraints are
-plain data, checked without building anything; each returns a message or None.
+To add a host setting, add a field to its section's class below (``Annotated[type, constraint]``
+when its values are bounded) with a comment saying what it does; nothing else needs listing.
+The constraint vocabulary lives in :mod:`clipkit.constraints` (re-exported here, where plugin
+authors have always imported it from).
 """
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-from clipkit.errors import choice_error
+from clipkit.constraints import (  # noqa: F401 — re-exported: plugins import Range/OneOf from here
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    Integer,
+    Interval,
+    Numbers,
+    OneOf,
+    Range,
+    annotated_constraints,
+    parameter_constraints,
+)
 from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
 
 
-def _compare(value: float, name: str, bound: float) -> bool:
-    return {"gt": value > bound, "ge": value >= bound, "lt": value < bound, "le": value <= bound}[name]
+@dataclass
+class RootConfig:
+    """The host settings at the top level of a recipe, beside its sections."""
+
+    seed: Annotated[int, Integer(NON_NEGATIVE)] = 0  # training's randomness (init, data order, augmentation)
+    eval_seed: Annotated[int, Integer(NON_NEGATIVE)] = 0  # fixes random features (WPSE) at evaluation
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+@dataclass
+class DataConfig:
+    """``data:`` — where training samples come from."""
+
+    shards: str = ""  # directory with manifest.json; created from `source` when missing
+    source: str = ""  # a URI any open_source plugin accepts (e.g. synthetic://shapes?n=8192)
+    # Streamed sources (docs/data.md): the samples in an epoch when no manifest.json / sizes.json
+    # beside the shards counts them (0: from the counts); a weighted list of shard sets instead of
+    # `shards` ([{shards, weight}], or "W*SHARDS :: W*SHARDS"); what an unreadable shard does
+    # (skip: counted by reason; raise: stop); seconds per connect/read and extra attempts.
+    num_samples: Annotated[int, NON_NEGATIVE] = 0
+    mixture: Any = None
+    on_error: Annotated[str, OneOf(("skip", "raise"))] = "skip"
+    timeout: Annotated[float, POSITIVE] = 30.0
+    retries: Annotated[int, NON_NEGATIVE] = 3
+    stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
+    batch_size: Annotated[int, POSITIVE] = 128
+    # Lower batch_size to what the training split holds when it holds less than one batch (with a
+    # notice) instead of refusing: the tiny variants set it so they run on a small table as given.
+    fit_batch: bool = False
+    # loader processes; auto: from the usable CPUs (clipkit.machine)
+    num_workers: Annotated[int | str, NON_NEGATIVE] = "auto"
+    shuffle_buffer: Annotated[int, NON_NEGATIVE] = 1000
+    resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling
+    # random-resized-crop area range for training images
+    crop_scale: Annotated[tuple, Interval(Range(gt=0, le=1))] = (1.0, 1.0)
+    crop_ratio: Annotated[tuple, Interval(POSITIVE)] = (3 / 4, 4 / 3)  # random-resized-crop aspect ratios
+    hflip: bool = False  # random horizontal flips (off: captions may say left/right)
+    # SimCLR colour-distortion strength (two-view recipes: 0.5 or 1.0)
+    color_jitter: Annotated[float, NON_NEGATIVE] = 0.0
+    grayscale: Annotated[float, PROBABILITY] = 0.0  # probability of a grey image (SimCLR: 0.2)
+    # Meta-data names the loss reads -> the shard's meta-data keys they come from, e.g.
+    # {age: extent} lets a recipe's kernel on `age` run on data whose column is `extent`.
+    meta_keys: dict = field(default_factory=dict)
+    # Where training augmentation runs: "sample" = per image in the loader (PIL, every option),
+    # "batched" = loader emits uint8 images of `batched_input_size` (0: image_size·8/7) and the
+    # crop/flip/normalise run as one tensor op per batch on the training device (no colour ops).
+    augment: Annotated[str, OneOf(("sample", "batched"))] = "sample"
+    batched_input_size: Annotated[int, NON_NEGATIVE] = 0
+    # Colour transparent pixels are composited onto when images are decoded: white, black, grey,
+    # "#rrggbb" or [r, g, b] (clipkit.data.image_modes; docs/data.md "Colour modes").
+    background: str | list = "white"
+    # Fraction of samples (by a hash of their key) left out of training for evaluation; set by
+    # `clipkit train --data` (--holdout), see clipkit.own_data.
+    holdout: float = 0.0
 
 
-@dataclass(frozen=True)
-class Range:
-    """A number within bounds: ``gt``/``ge`` below, ``lt``/``le`` above (None: unbounded)."""
+@dataclass
+class ModelConfig:
+    """``model:`` — shared settings of the towers (the slots are checked separately)."""
 
-    gt: float | None = None
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-
-    def problem(self, value: Any) -> str | None:
-        if value is None or not _is_number(value):
-            return None  # types are checked separately (and None means "unset" where allowed)
-        for name in ("gt", "ge", "lt", "le"):
-            bound = getattr(self, name)
-            if bound is not None and not _compare(value, name, bound):
-                return f"must be {self.describe()}, got {value!r}"
-        return None
-
-    def describe(self) -> str:
-        parts = [
-            f"{sign} {getattr(self, name)}"
-            for name, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
-            if getattr(self, name) is not None
-        ]
-        return " and ".join(parts)
+    embed_dim: Annotated[int, POSITIVE] = 512
+    image_size: Annotated[int, POSITIVE] = 224
+    mean: Annotated[tuple, Numbers(3)] = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation
+    std: Annotated[tuple, Numbers(3, POSITIVE)] = (0.26862954, 0.26130258, 0.27577711)
+    # "image_text"; "two_view": one image encoder, two augmented views; "vectors": two towers over
+    # the stream's vectors batch["x"] [B, dx] and batch["y"] [B, dy], no tokenizer (synthetic studies)
+    pair: Annotated[str, OneOf(("image_text", "two_view", "vectors"))] = "image_text"
+    image_encoder: Any = None
+    text_encoder: Any = None
+    tokenizer: Any = None
+    # Start training from existing weights: a path (clipkit export, open_clip / Hugging Face CLIP
+    # directory, OpenAI-layout .safetensors) or {path, include, exclude, strict} (clipkit/init_weights.py).
+    init: Any = None
+    frozen: tuple = ()  # towers to lock while training: image_encoder and/or text_encoder (LiT)
 
 
-@dataclass(frozen=True)
-class OneOf:
-    """One of a fixed set of values."""
+@dataclass
+class TrainConfig:
+    """``train:`` — the loop's knobs."""
 
-    choices: tuple
-
-    def problem(self, value: Any) -> str | None:
-        return choice_error(value, self.choices)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A ``[low, high]`` pair with low <= high, each within ``bounds``."""
-
-    bounds: Range = Range()
-
-    def problem(self, value: Any) -> str | None:
-        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(map(_is_number, value)):
-            return f"must be a pair [low, high] of numbers, got {value!r}"
-        low, high = value
-        if low > high:
-            return f"must be [low, high] with low <= high, got {list(value)}"
-        bad = [v for v in value if self.bounds.problem(v)]
-        return f"both ends must be {self.bounds.describe()}, got {list(value)}" if bad else None
-
-
-@dataclass(frozen=True)
-class Numbers:
-    """A list of ``length`` numbers, each within ``each``."""
-
-    length: int
-    each: Range = Range()
-
-    def problem(self, value: Any) -> str | None:
-        numbers = isinstance(value, (list, tuple)) and all(map(_is_number, value))
-        if not numbers or len(value) != self.length:
-            return f"must be a list of {self.length} numbers, got {value!r}"
-        bad = [v for v in value if self.each.problem(v)]
-        return f"each must be {self.each.describe()}, got {list(value)}" if bad else None
+    steps: Annotated[int, POSITIVE] = 1000
+    log_every: Annotated[int, POSITIVE] = 10
+    checkpoint_every: Annotated[int, POSITIVE] = 500
+    keep_checkpoints: Annotated[int, NON_NEGATIVE] = 2
+    precision: Annotated[str, OneOf(("no", "bf16", "fp16"))] = "no"  # "no" (fp32), "bf16", "fp16"
+    grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # max global grad norm; 0 = off
+    export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
+    # run the recipe's eval tasks on the in-memory model every N steps; 0 = off
+    eval_every: Annotated[int, NON_NEGATIVE] = 0
+    # Exact gradient accumulation: each process encodes its share of data.batch_size in micro-batches
+    # of this many samples (0 = all at once); the loss still sees the whole contrastive batch.
+    micro_batch_size: Annotated[int, NON_NEGATIVE] = 0
+    grad_checkpointing: bool = False  # recompute encoder activations in backward (every encoder's switch)
+    # a NaN/inf loss or gradient: "stop" with a message, or "skip" the step
+    nonfinite: Annotated[str, OneOf(("stop", "skip"))] = "stop"
+    # torch.compile the towers: none | default | reduce-overhead | max-autotune
+    compile: Annotated[str, OneOf(COMPILE_MODES)] = "none"
+    threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
+    # Estimate the run's memory before training; refuse it when it exceeds what the machine has
+    # (clipkit.train.memory_fit); false: run anyway
+    memory_check: bool = True
+    distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
+    # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
+    # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)
+    report_to: list = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Integer:
-    """An int (not a bool) within ``bounds``: for settings outside the typed sections, like ``seed``."""
+@dataclass
+class DistributedConfig:
+    """``train.distributed:`` — how several processes (``accelerate launch``) share the work.
 
-    bounds: Range = Range()
+    gather_with_grad / local_loss choose the gather semantics of METHODS §11 (open_clip's flag names):
+      with grad + local loss   (open_clip, WPSE)  exact: each process scores its own anchors
+      with grad + global loss  (NUCLR; default)   exact: every process scores the whole batch
+      no grad  + local loss    (SLIP)             other processes' features are constants
+      no grad  + global loss   (CLOOB, CyCLIP)    towers get 1/world_size of the full-batch gradient
+    """
 
-    def problem(self, value: Any) -> str | None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            return f"must be an integer, got {type(value).__name__} {value!r}"
-        return self.bounds.problem(value)
+    # "ddp" (DistributedDataParallel; one process: plain) or "deepspeed"
+    strategy: Annotated[str, OneOf(("ddp", "deepspeed"))] = "ddp"
+    zero_stage: Annotated[int, OneOf((0, 1, 2, 3))] = 2  # DeepSpeed ZeRO stage 0-3 (strategy: deepspeed)
+    # "none" or "cpu" (ZeRO-Offload; DeepSpeed builds CPUAdam on first use)
+    offload_optimizer: Annotated[str, OneOf(("none", "cpu"))] = "none"
+    offload_params: Annotated[str, OneOf(("none", "cpu"))] = "none"  # "none" or "cpu" (ZeRO-3 only)
+    gather_with_grad: bool = True
+    local_loss: bool = False
 
 
-POSITIVE, NON_NEGATIVE, PROBABILITY = Range(gt=0), Range(ge=0), Range(ge=0, le=1)
+#: The typed sections of a recipe: ``section(recipe, name)`` builds these.
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
+#: Where each settings class sits in a recipe ("" = the top level).
+SCHEMA = {"": RootConfig, **SECTIONS, "train.distributed": DistributedConfig}
 
-#: Every constrained host setting: dotted key path -> constraint (checked when the key is set).
-HOST: dict[str, Any] = {
-    "seed": Integer(NON_NEGATIVE),
-    "eval_seed": Integer(NON_NEGATIVE),
-    "data.batch_size": POSITIVE,
-    "data.num_samples": NON_NEGATIVE,
-    "data.on_error": OneOf(("skip", "raise")),
-    "data.timeout": POSITIVE,
-    "data.retries": NON_NEGATIVE,
-    "data.num_workers": NON_NEGATIVE,
-    "data.shuffle_buffer": NON_NEGATIVE,
-    "data.crop_scale": Interval(Range(gt=0, le=1)),
-    "data.crop_ratio": Interval(POSITIVE),
-    "data.color_jitter": NON_NEGATIVE,
-    "data.grayscale": PROBABILITY,
-    "data.augment": OneOf(("sample", "batched")),
-    "data.batched_input_size": NON_NEGATIVE,
-    "model.embed_dim": POSITIVE,
-    "model.image_size": POSITIVE,
-    "model.mean": Numbers(3),
-    "model.std": Numbers(3, POSITIVE),
-    "model.pair": OneOf(("image_text", "two_view", "vectors")),
-    "train.steps": POSITIVE,
-    "train.log_every": POSITIVE,
-    "train.checkpoint_every": POSITIVE,
-    "train.keep_checkpoints": NON_NEGATIVE,
-    "train.precision": OneOf(("no", "bf16", "fp16")),
-    "train.grad_clip": NON_NEGATIVE,
-    "train.eval_every": NON_NEGATIVE,
-    "train.micro_batch_size": NON_NEGATIVE,
-    "train.nonfinite": OneOf(("stop", "skip")),
-    "train.compile": OneOf(COMPILE_MODES),
-    "train.distributed.strategy": OneOf(("ddp", "deepspeed")),
-    "train.distributed.zero_stage": OneOf((0, 1, 2, 3)),
-    "train.distributed.offload_optimizer": OneOf(("none", "cpu")),
-    "train.distributed.offload_params": OneOf(("none", "cpu")),
-}
+
+def _host_constraints() -> dict[str, Any]:
+    return {
+        f"{prefix}.{name}" if prefix else name: constraint
+        for prefix, settings in SCHEMA.items()
+        for name, constraint in annotated_constraints(settings).items()
+    }
+
+
+#: Every constrained host setting: dotted key path -> constraint (checked when the key is set);
+#: derived from the classes above.
+HOST: dict[str, Any] = _host_constraints()
 
 _MISSING = object()
 
@@ -173,21 +203,3 @@ def _lookup(recipe: dict, path: str) -> Any:
             return _MISSING
         node = node[part]
     return node
-
-
-def parameter_constraints(factory) -> dict[str, Any]:
-    """``{parameter: constraint}`` from a factory's ``Annotated[..., Range(...)]`` annotations."""
-    import inspect
-
-    target = factory.__init__ if inspect.isclass(factory) else factory
-    try:
-        hints = typing.get_type_hints(target, include_extras=True)
-    except Exception:  # unresolvable annotations: no constraints rather than a failed validation
-        return {}
-    found = {}
-    for name, hint in hints.items():
-        if typing.get_origin(hint) is typing.Annotated:
-            marks = [m for m in hint.__metadata__ if hasattr(m, "problem")]
-            if marks:
-                found[name] = marks[0]
-    return found

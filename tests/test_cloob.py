@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity, InfoLOOB, info_loob
+from clipkit.plugins.losses.cloob import CLOOBLoss, InfoLOOB, info_loob
+from clipkit.plugins.similarities.hopfield import HopfieldSimilarity
 from clipkit.testing import check_loss, check_similarity, random_points
 from clipkit.types import Logits, LossContext, PointSet
 

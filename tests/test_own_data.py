@@ -201,3 +201,29 @@ def test_a_recipe_meta_key_missing_from_your_table_names_the_setting():
     ):
         batch_meta(samples, {"label": "combo"})
     assert batch_meta(samples, {"label": "category"})["label"] == ["red"]
+
+
+@pytest.mark.parametrize(
+    ("data", "eval_data", "user"),
+    [
+        ("synthetic://shapes?n=64", ("t.jsonl",), ["train.steps=2", "eval.0.label=shape"]),
+        ("pets.jsonl", (), ["data.shards=elsewhere", "train.steps=3"]),
+        ("pets.jsonl", ("other.csv",), ["eval=[]"]),
+        (None, ("t.jsonl",), []),
+    ],
+)
+def test_own_data_resolves_once_as_if_its_overrides_came_before_the_users(
+    registry, tmp_path, monkeypatch, data, eval_data, user
+):
+    """`train --data` resolves the recipe once: its overrides, made from the resolved recipe's eval
+    tasks, give what resolving again with them placed before the user's overrides gave (the user's
+    still win: data.shards=elsewhere, eval=[] stay)."""
+    from clipkit import api
+    from clipkit.own_data import OwnData
+
+    monkeypatch.setenv("CLIPKIT_DATA_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    own = OwnData(data, holdout=0.1, eval_data=eval_data)
+    extra = own.overrides(api.resolve("quickstart@smoke", user, registry).get("eval"))
+    twice = api.resolve("quickstart@smoke", extra + user, registry)
+    assert api.resolve("quickstart@smoke", user, registry, own_data=own) == twice

@@ -46,7 +46,7 @@ def finished_shards(out: Path) -> int:
 def test_kill_9_mid_run_then_rerun_verifies_and_equals_an_uninterrupted_run(tmp_path, reference, kill_after):
     out = tmp_path / "shards"
     process = subprocess.Popen(shard_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a measured duration
     while finished_shards(out) < kill_after and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert process.poll() is None, "the run finished before it could be killed"

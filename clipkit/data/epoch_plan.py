@@ -50,6 +50,8 @@ class EpochPlan:
     ) -> EpochPlan:
         """``shards``: [(url, count)] from the manifest; the plan is a pure function of the arguments.
         ``first_indices`` {url: global index of its first sample} numbers streamed samples."""
+        # Seeded by (seed, epoch) only, never by rank: every rank must compute the *same* shard order,
+        # or the contiguous ranges below would overlap or leave gaps between ranks.
         rng = random.Random(f"shards:{seed}:{epoch}")
         if resampled:
             ordered = rng.choices(list(shards), k=len(shards))
@@ -57,6 +59,9 @@ class EpochPlan:
             ordered = list(shards)
             rng.shuffle(ordered)
         total = sum(count for _, count in ordered)
+        # Split by samples, not by shards: shards differ in size, so a shard-wise split would give
+        # ranks different batch counts and the collectives of the last steps would wait forever.
+        # A contiguous range also keeps each tar read by at most two ranks (sequential tar I/O).
         low, high = rank * total // world_size, (rank + 1) * total // world_size
         segments, offset = [], 0
         for url, count in ordered:
@@ -64,6 +69,9 @@ class EpochPlan:
             if start < stop:
                 segments.append(Segment(url, start, stop, (first_indices or {}).get(url)))
             offset += count
+        # The same count on every rank (from total, not from this rank's range, which may be one
+        # sample longer): every rank steps the same number of times per epoch. The samples left
+        # over (fewer than a global batch) wait for a later epoch, whose new order leaves out others.
         return cls(tuple(segments), (total // world_size) // batch_size)
 
     def records(self, holdout: float, policy: ReadPolicy, faults: list) -> Iterator[dict[str, Any]]:

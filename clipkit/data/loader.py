@@ -158,6 +158,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        # Every worker walks the whole (cheap, undecoded) record stream and keeps every num_workers-th
+        # batch: the batch order then depends only on the plan and seeds, never on the worker count,
+        # and DataLoader's round-robin over workers hands the batches back in that order. Counting
+        # from skip_batches (a resumed run) keeps worker 0 first, as DataLoader expects.
         reported = 0
         for position, records in enumerate(self.record_batches()):
             if len(records) < self.batch_size:
@@ -176,6 +180,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         samples = [decode_record(record, "shards") for record in records]
         indices = [self.sample_index(record, sample) for record, sample in zip(records, samples, strict=True)]
         sample_ids = [augment_id(record, sample) for record, sample in zip(records, samples, strict=True)]
+        # One generator per (sample, epoch), not per worker or batch: a sample's crops are the same
+        # whichever worker decodes it and wherever a resumed run restarts.
         rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{sample_id}") for sample_id in sample_ids]
         # One decode per sample for all its views; each sample's rng draws view 1, then view 2.
         transforms = [self.transform] * self.views
@@ -371,6 +377,8 @@ class BatchStream:
             print(f"data: skipped shard {url} ({reason})", file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # A fresh DataLoader per epoch: the epoch's plan and seeds are baked into its dataset, and
+        # (epoch, batch_in_epoch) — what a checkpoint saves — is all a resumed run needs to rebuild it.
         while True:
             produced = False
             for batch in self.loader(self.epoch, self.batch_in_epoch):

@@ -461,6 +461,3 @@ def minilm_l6(
 
 #: Its weights index this vocabulary: recipe validation refuses any other tokenizer, naming this one.
 minilm_l6.required_tokenizer = {"name": "wordpiece", "vocab": "minilm"}
-
-#: Registered names -> factories (see :mod:`clipkit.plugins.encoders`).
-ENCODERS = {"distilbert": distilbert, "distilbert_tiny": distilbert_tiny, "minilm_l6": minilm_l6}

@@ -261,13 +261,3 @@ rn_tiny = preset(
     fixed={"layers": (1, 1, 1, 1), "width": 8, "heads": None},
     image_size=64,
 )
-
-
-#: Registered names -> factories (see :mod:`clipkit.plugins.encoders`).
-ENCODERS = {
-    "clip_resnet": clip_resnet,
-    "rn50": rn50,
-    "rn101": rn101,
-    "rn50x4": rn50x4,
-    "rn_tiny": rn_tiny,
-}

@@ -235,6 +235,3 @@ densenet3d_tiny = preset(
     fixed={"growth": 4, "blocks": (1, 1), "init_features": 8, "bn_size": 4},
     image_size=16,
 )
-
-#: Registered names -> factories (see :mod:`clipkit.plugins.encoders`).
-ENCODERS = {"densenet3d": densenet3d, "densenet3d_121": densenet3d_121, "densenet3d_tiny": densenet3d_tiny}

@@ -268,12 +268,3 @@ def resnet_tiny(
         stem="cifar", head=head, head_hidden=head_hidden, output=output,
         grad_checkpointing=grad_checkpointing,
     )  # fmt: skip
-
-
-#: Registered names -> factories (see :mod:`.conv_encoders`).
-ENCODERS = {
-    "resnet": resnet,
-    "resnet50": resnet50,
-    "resnet18_cifar": resnet18_cifar,
-    "resnet_tiny": resnet_tiny,
-}

@@ -154,10 +154,3 @@ text_transformer_tiny = preset(
     layers=2,
     heads=2,
 )
-
-#: Registered names -> factories (see :mod:`clipkit.plugins.encoders`).
-ENCODERS = {
-    "text_transformer": text_transformer,
-    "clip_text": clip_text,
-    "text_transformer_tiny": text_transformer_tiny,
-}

@@ -358,6 +358,3 @@ vit_tiny = preset(
     layers=2,
     heads=2,
 )
-
-#: Registered names -> factories (see :mod:`clipkit.plugins.encoders`).
-ENCODERS = {"vit": vit, "vit_b16": vit_b16, "vit_b32": vit_b32, "vit_tiny": vit_tiny}

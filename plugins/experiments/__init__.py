@@ -34,16 +34,16 @@ def register_commands(app):
 
 @hookimpl
 def register_encoders(register):
-    from clipkit.plugins.experiments import pmi
+    from clipkit.plugins.experiments import pmi_encoder
 
-    register("point_set_mlp", pmi.point_set_mlp)  # vector -> point set, for `model.pair: vectors`
+    register("point_set_mlp", pmi_encoder.point_set_mlp)  # vector -> point set, for `model.pair: vectors`
 
 
 @hookimpl
 def register_streams(register):
-    from clipkit.plugins.experiments import pmi
+    from clipkit.plugins.experiments import pmi_stream
 
-    register("pmi_pairs", pmi.LatentPairStream)  # fresh joint samples with closed-form PMI
+    register("pmi_pairs", pmi_stream.LatentPairStream)  # fresh joint samples with closed-form PMI
 
 
 def similarity_specs(items: list[str]) -> list[dict | str] | None:

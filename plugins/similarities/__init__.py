@@ -6,11 +6,10 @@ from clipkit.hookspecs import hookimpl
 
 @hookimpl
 def register_similarities(register):
-    from clipkit.plugins.losses import cloob
-    from clipkit.plugins.similarities import dot, kme, wpse
+    from clipkit.plugins.similarities import dot, hopfield, kme, wpse
 
     register("dot", dot.DotSimilarity)  # CLIP / SigLIP (METHODS §1, §7)
     register("wpse", wpse.WPSESimilarity)  # §2
     register("cosine_mean", wpse.CosineMeanSimilarity)  # §2 ablation
     register("kme", kme.KMESimilarity)  # §3
-    register("hopfield", cloob.HopfieldSimilarity)  # §4 (lives beside InfoLOOB, its paper's loss)
+    register("hopfield", hopfield.HopfieldSimilarity)  # §4 (CLOOB; its loss InfoLOOB is in losses.cloob)
