@@ -223,6 +223,9 @@ def test_own_data_resolves_once_as_if_its_overrides_came_before_the_users(
 
     monkeypatch.setenv("CLIPKIT_DATA_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
+    for name in (data, *eval_data):
+        if name and not name.startswith("synthetic://"):
+            (tmp_path / name).write_text("{}\n")  # --data must exist (never a place to fill)
     own = OwnData(data, holdout=0.1, eval_data=eval_data)
     extra = own.overrides(api.resolve("quickstart@smoke", user, registry).get("eval"))
     twice = api.resolve("quickstart@smoke", extra + user, registry)
