@@ -107,7 +107,9 @@ def read_segments(segments, holdout: float = 0.0, policy: ReadPolicy | None = No
                 produced += 1
                 yield record
             if segment.stop is not None and position < segment.stop:
-                raise ShardUnavailable(segment.url, "short_shard", f"{position} samples, expected {segment.stop}")
+                raise ShardUnavailable(
+                    segment.url, "short_shard", f"{position} samples, expected {segment.stop}"
+                )
         except ShardUnavailable as error:
             if policy.on_error == "raise":
                 raise DataError(f"shard {error} (data.on_error: raise)") from None

@@ -37,14 +37,22 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from clipkit.errors import DataError
 from clipkit.data.captions import draw_caption
 from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, read_segments, record_key
 from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.transforms import ImageTransform, decode_transformed
+from clipkit.errors import DataError
 
-__all__ = ["BatchStream", "EpochDataset", "EpochPlan", "ImageTransform", "ReadPolicy", "Segment", "read_segments"]
+__all__ = [
+    "BatchStream",
+    "EpochDataset",
+    "EpochPlan",
+    "ImageTransform",
+    "ReadPolicy",
+    "Segment",
+    "read_segments",
+]
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,9 @@ def record_index(json_bytes: bytes, name: str) -> int:
     try:
         return int(json.loads(json_bytes)["index"])
     except (ValueError, KeyError, TypeError) as error:
-        raise DataError(f"{name}: its json has no integer `index` (shards from `clipkit shard` do)") from error
+        raise DataError(
+            f"{name}: its json has no integer `index` (shards from `clipkit shard` do)"
+        ) from error
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -207,8 +217,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
             # One caption per sample per epoch: a pure function of (seed, epoch, the sample's id: its
             # global index for clipkit shards), never of the augmentation, worker or rank.
             batch["text"] = self.tokenizer(
-                [draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=sample_id)
-                 for s, sample_id in zip(samples, sample_ids, strict=True)]  # fmt: skip
+                [
+                    draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=sample_id)
+                    for s, sample_id in zip(samples, sample_ids, strict=True)
+                ]  # fmt: skip
             )
         return batch
 
@@ -217,10 +229,13 @@ class EpochDataset(torch.utils.data.IterableDataset):
         it, else its json index less the held-out ones before it); -1 when it has none."""
         index = record.get("__index__")
         if index is None:
-            index = -1 if sample.meta.get("index") is None else self.positions.position(int(sample.meta["index"]))
+            index = (
+                -1 if sample.meta.get("index") is None else self.positions.position(int(sample.meta["index"]))
+            )
         if index < 0 and self.require_index:
             raise DataError(
-                f"sample {sample.key!r} of {redact(record.get('__url__', '?'))} has no global index, which the "
+                f"sample {sample.key!r} of {redact(record.get('__url__', '?'))} has no global "
+                "index, which the "
                 "loss's per-sample state needs: serve a sizes.json or manifest.json beside the shards "
                 "(or use clipkit shards, whose json carries the index)"
             )
@@ -249,7 +264,8 @@ def batch_meta(samples, meta_keys: dict[str, str]) -> dict[str, list]:
     for name, source in meta_keys.items():
         if source not in samples[0].meta:
             raise DataError(
-                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only {sorted(present)}; "
+                f"data.meta_keys: {name} <- {source!r}, but the shards' meta-data has only "
+                f"{sorted(present)}; "
                 f"the loss reads `{name}`: name the column it comes from with data.meta_keys.{name}=COLUMN"
             )
         meta[name] = meta[source]
@@ -306,7 +322,8 @@ class BatchStream:
         per_rank = self.num_samples // self.world_size
         if per_rank < batch_size:
             raise DataError(
-                f"{self.source_names[0] if len(self.source_names) == 1 else 'data.mixture'}: {self.num_samples} "
+                f"{self.source_names[0] if len(self.source_names) == 1 else 'data.mixture'}: "
+                f"{self.num_samples} "
                 f"samples over {self.world_size} process(es) are fewer than one batch of {batch_size} each; "
                 "lower data.batch_size"
             )
@@ -317,7 +334,10 @@ class BatchStream:
         from clipkit.data.mixture import stream_sources
 
         if self.holdout > 0:
-            raise DataError("data.holdout works on clipkit shard directories only; evaluate streamed data with --eval-data")
+            raise DataError(
+                "data.holdout works on clipkit shard directories only; evaluate streamed data "
+                "with --eval-data"
+            )
         sources, total = stream_sources(shards, mixture, num_samples, self.policy.patience)
         self.split = TrainingSplit([])
         self.source_names = [source.name for source in sources]
@@ -349,7 +369,9 @@ class BatchStream:
     def metrics(self) -> dict[str, float]:
         """Samples this process took from each source, and shards it skipped by reason, so far."""
         found = {f"data/samples/{name}": float(count) for name, count in self.samples_seen.items()}
-        found.update({f"data/skipped/{reason}": float(count) for reason, count in self.shards_skipped.items()})
+        found.update(
+            {f"data/skipped/{reason}": float(count) for reason, count in self.shards_skipped.items()}
+        )
         return found
 
     def plan(self, epoch: int):
@@ -357,7 +379,9 @@ class BatchStream:
             from clipkit.data.mixture import MixturePlan
 
             batches = (self.num_samples // self.world_size) // self.batch_size
-            return MixturePlan(self.sources, batches, self.seed, epoch, self.rank, self.world_size, self.resampled)
+            return MixturePlan(
+                self.sources, batches, self.seed, epoch, self.rank, self.world_size, self.resampled
+            )
         return EpochPlan.build(
             self.shards,
             seed=self.seed,

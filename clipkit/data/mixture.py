@@ -39,7 +39,14 @@ class StreamSource:
 
 
 def source_records(
-    source: StreamSource, *, key: str, rank: int, world_size: int, resampled: bool, policy: ReadPolicy, faults: list
+    source: StreamSource,
+    *,
+    key: str,
+    rank: int,
+    world_size: int,
+    resampled: bool,
+    policy: ReadPolicy,
+    faults: list,
 ) -> Iterator[dict[str, Any]]:
     """This rank's endless records of ``source`` (passes over its shards, see the module docs)."""
     shards = source.shards
@@ -56,10 +63,16 @@ def source_records(
                 first_indices=shards.first_indices,
             ).segments
         else:
-            segments = tuple(Segment(url, 0, None) for url in rank_urls(shards.urls, key, attempt, rank, world_size, resampled))
+            segments = tuple(
+                Segment(url, 0, None)
+                for url in rank_urls(shards.urls, key, attempt, rank, world_size, resampled)
+            )
         produced = yield from read_segments(segments, 0.0, policy, faults)
         if not produced:
-            raise DataError(f"{shards.shown}: no sample could be read by process {rank} ({fault_summary(faults) or 'no shards'})")
+            raise DataError(
+                f"{shards.shown}: no sample could be read by process {rank} "
+                f"({fault_summary(faults) or 'no shards'})"
+            )
 
 
 def rank_urls(urls, key: str, attempt: int, rank: int, world_size: int, resampled: bool) -> list[str]:
@@ -140,7 +153,8 @@ def stream_sources(shards, mixture, num_samples: int, patience) -> tuple[list[St
         if not size:
             key = "data.num_samples" if mixture is None else f"data.mixture[{i}].num_samples (the list form)"
             raise DataError(
-                f"{shard_set.shown}: no manifest.json or sizes.json beside the shards gives their sample count; "
+                f"{shard_set.shown}: no manifest.json or sizes.json beside the shards gives their "
+                "sample count; "
                 f"set {key} (the samples in the set, as open_clip's train-num-samples)"
             )
         sources.append(StreamSource(shard_set, entry.weight, offset, size, shard_set.shown))

@@ -86,7 +86,9 @@ def redact(url: str) -> str:
         return url
     parts = urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
-    query = "&".join(f"{item.partition('=')[0]}=***" for item in parts.query.split("&")) if parts.query else ""
+    query = (
+        "&".join(f"{item.partition('=')[0]}=***" for item in parts.query.split("&")) if parts.query else ""
+    )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -129,7 +131,9 @@ def fsspec_filesystem(url: str):
     try:
         import fsspec
     except ImportError:
-        raise ClipkitError(f"{redact(url)}: reading {scheme}:// shards needs fsspec and {package}: {how}") from None
+        raise ClipkitError(
+            f"{redact(url)}: reading {scheme}:// shards needs fsspec and {package}: {how}"
+        ) from None
     try:
         return fsspec.get_filesystem_class(scheme)
     except ImportError:
@@ -242,7 +246,9 @@ class HttpReader(io.RawIOBase):
                 response = urllib.request.urlopen(self.request(), timeout=self.patience.timeout)
                 if self.offset and response.status != 206:
                     response.close()  # the server ignores Range: the rest cannot be fetched alone
-                    raise ShardUnavailable(self.url, "broken_stream", "the connection broke and the server ignores Range")
+                    raise ShardUnavailable(
+                        self.url, "broken_stream", "the connection broke and the server ignores Range"
+                    )
                 return response
             except urllib.error.HTTPError as error:
                 reason = f"http_{error.code}"
@@ -312,7 +318,7 @@ class PipeReader(io.RawIOBase):
         import tempfile
 
         # stderr to a file: a chatty command must not block on a full pipe nobody reads.
-        self.errors = tempfile.TemporaryFile()
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 — closed in close(), it outlives this call
         self.process = subprocess.Popen(
             command, shell=True, stdout=subprocess.PIPE, stderr=self.errors, start_new_session=True
         )
@@ -332,7 +338,9 @@ class PipeReader(io.RawIOBase):
             if status != 0:
                 self.errors.seek(0)
                 error = self.errors.read(2000).decode("utf-8", "replace").strip()
-                raise ShardUnavailable(f"pipe:{self.command}", "pipe_failed", f"exit status {status}: {error}")
+                raise ShardUnavailable(
+                    f"pipe:{self.command}", "pipe_failed", f"exit status {status}: {error}"
+                )
         buffer[: len(data)] = data
         return len(data)
 

@@ -26,7 +26,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipkit.data.remote import FSSPEC_PACKAGES, Patience, ShardUnavailable, check_url, read_small, redact, scheme_of
+from clipkit.data.remote import (
+    FSSPEC_PACKAGES,
+    Patience,
+    ShardUnavailable,
+    check_url,
+    read_small,
+    redact,
+    scheme_of,
+)
 from clipkit.errors import DataError
 
 MANIFEST, SIZES = "manifest.json", "sizes.json"
@@ -192,7 +200,9 @@ def shard_counts(urls: list[str], spec: str, patience: Patience) -> tuple[int, .
         names = [url.rsplit("/", 1)[-1] for url in urls]
         unlisted = [n for n in names if n not in sizes]
         if unlisted:
-            raise DataError(f"{redact(parent)}/{name} does not list {unlisted[0]}, one of the shards of {redact(spec)}")
+            raise DataError(
+                f"{redact(parent)}/{name} does not list {unlisted[0]}, one of the shards of {redact(spec)}"
+            )
         return tuple(sizes[n] for n in names)
     return None
 
@@ -232,14 +242,18 @@ def parse_mixture(mixture) -> list[MixtureEntry]:
     if isinstance(mixture, str):
         mixture = [compact_entry(item.strip()) for item in mixture.split(MIXTURE_SEPARATOR) if item.strip()]
     if not isinstance(mixture, (list, tuple)) or not mixture:
-        raise DataError("data.mixture: expected a list of {shards: ..., weight: ...}, or 'W*SHARDS :: W*SHARDS'")
+        raise DataError(
+            "data.mixture: expected a list of {shards: ..., weight: ...}, or 'W*SHARDS :: W*SHARDS'"
+        )
     entries = []
     for i, item in enumerate(mixture):
         if not isinstance(item, dict) or not isinstance(item.get("shards"), str) or not item["shards"]:
             raise DataError(f"data.mixture[{i}]: expected {{shards: ..., weight: ...}}, got {item!r}")
         unknown = set(item) - {"shards", "weight", "num_samples"}
         if unknown:
-            raise DataError(f"data.mixture[{i}]: unknown key(s) {sorted(unknown)} (shards, weight, num_samples)")
+            raise DataError(
+                f"data.mixture[{i}]: unknown key(s) {sorted(unknown)} (shards, weight, num_samples)"
+            )
         weight = item.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise DataError(f"data.mixture[{i}].weight must be a positive number, got {weight!r}")

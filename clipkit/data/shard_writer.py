@@ -23,6 +23,7 @@ Each sample is stored under key = its global index (zero-padded, 9 digits) with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
+from clipkit.data.shard_lock import output_lock
 from clipkit.errors import ClipkitError, DataError
 from clipkit.io import (
     OVERWRITE_REMEDY,
@@ -42,8 +45,6 @@ from clipkit.io import (
     replace_directory,
     writing,
 )
-from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
-from clipkit.data.shard_lock import output_lock
 from clipkit.types import Sample
 
 JOURNAL = "journal.json"
@@ -143,7 +144,9 @@ def write_shards(
         return writer.run(samples, info or {}, progress)
 
 
-def claim_shard_directory(out_dir: Path, source: str, *, overwrite: bool, remedy: str = OVERWRITE_REMEDY) -> None:
+def claim_shard_directory(
+    out_dir: Path, source: str, *, overwrite: bool, remedy: str = OVERWRITE_REMEDY
+) -> None:
     """Refuse (ClipkitError) to write shards of ``source`` over anything but an earlier set of it."""
     protect = [Kept(path, "the source being sharded", inside=False) for path in local_paths(source)]
     claim_output_directory(out_dir, SHARD_OUTPUT, overwrite=overwrite, protect=protect, remedy=remedy)
@@ -424,14 +427,10 @@ class OpenShard:
     def abandon(self) -> None:
         """Close without finishing (the ``.tmp`` stays until the next run deletes it); on a full
         disk the close itself may fail, which changes nothing."""
-        try:
+        with contextlib.suppress(OSError):
             self.writer.close()
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.stream.close()
-        except OSError:
-            pass
 
     def close(self) -> Path:
         self.writer.close()  # closes the tar stream, not our file object

@@ -23,13 +23,19 @@ READ_BUFFER = 1 << 20
 def tar_records(url: str, patience: Patience = Patience()) -> Iterator[dict[str, Any]]:
     """The records of the tar at ``url``, in tar order (close the generator to stop early)."""
     raw = open_shard(url, patience)
-    stream = raw if isinstance(raw, io.BufferedIOBase) or hasattr(raw, "fs") else io.BufferedReader(raw, READ_BUFFER)
+    stream = (
+        raw
+        if isinstance(raw, io.BufferedIOBase) or hasattr(raw, "fs")
+        else io.BufferedReader(raw, READ_BUFFER)
+    )
     try:
         yield from group_members(url, stream)
     except ShardUnavailable:
         raise
     except (tarfile.TarError, EOFError, OSError, ValueError) as error:
-        raise ShardUnavailable(url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})") from error
+        raise ShardUnavailable(
+            url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})"
+        ) from error
     finally:
         stream.close()
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from clipkit.data.decoders import Decoder, default_decoder
-from clipkit.errors import DataError
 from clipkit.data.image_modes import WHITE, exif_orientation, oriented_size, to_rgb
+from clipkit.errors import DataError
 
 BICUBIC = 3  # PIL.Image.BICUBIC, without importing PIL at module import
 
