@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clipkit.plugins.losses.infonce import InfoNCE
+from clipkit.tiled import ArgMax, RowSum, Tile, TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 
@@ -92,6 +93,26 @@ class SigLIPLoss:
                 "acc_i2t": _accuracy(scores, targets),
             },
         )
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from tile sums of the pair terms (``loss.tiled``; clipkit.tiled)."""
+        row_terms, best = logits.reduce(RowSum("i2t", _siglip_pair_terms), ArgMax("i2t"))
+        rows = logits.num_rows("i2t")
+        positive_terms = -F.logsigmoid(logits.positives("i2t").detach())
+        total = row_terms.sum()
+        return LossOutput(
+            total / rows,
+            {
+                "loss_pos": positive_terms.sum() / rows,
+                "loss_neg": (total.detach() - positive_terms.sum()) / rows,
+                "acc_i2t": (best == logits.targets("i2t")).float().mean(),
+            },
+        )
+
+
+def _siglip_pair_terms(scores: Tensor, tile: Tile) -> Tensor:
+    """[tr, tc] −log σ(z·L), z = +1 on the positives and −1 elsewhere."""
+    return -F.logsigmoid(torch.where(tile.positive, scores, -scores))
 
 
 class CyCLIPLoss:
