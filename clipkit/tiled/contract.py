@@ -23,14 +23,18 @@ from clipkit.tiled.logits import TiledLogits, global_logits, local_logits
 from clipkit.types import LossContext, LossOutput, PointSet, optional_member
 
 
+def _name(plugin: Any) -> str:
+    return plugin.__name__ if isinstance(plugin, type) else type(plugin).__name__
+
+
 def similarity_refusal(similarity: Any) -> str | None:
     """Why ``similarity`` cannot be scored tile by tile, or None when it can."""
     reason = optional_member(similarity, "tiled_unsupported")
     if reason:
-        return f"the similarity {type(similarity).__name__} has no tiled form: {reason}"
+        return f"the similarity {_name(similarity)} has no tiled form: {reason}"
     missing = [m for m in ("tile_features", "score_tile") if optional_member(similarity, m) is None]
     if missing:
-        return f"the similarity {type(similarity).__name__} does not declare {' and '.join(missing)}"
+        return f"the similarity {_name(similarity)} does not declare {' and '.join(missing)}"
     return None
 
 
@@ -38,9 +42,9 @@ def loss_refusal(loss: Any) -> str | None:
     """Why ``loss`` cannot run on tiled logits, or None when it can."""
     reason = optional_member(loss, "tiled_unsupported")
     if reason:
-        return f"the loss {type(loss).__name__} has no tiled form: {reason}"
+        return f"the loss {_name(loss)} has no tiled form: {reason}"
     if optional_member(loss, "tiled_loss") is None:
-        return f"the loss {type(loss).__name__} does not declare tiled_loss"
+        return f"the loss {_name(loss)} does not declare tiled_loss"
     return None
 
 

@@ -25,6 +25,8 @@ from clipkit.machine import fit_to_machine, launch_warning
 from clipkit.model import batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import distributed_config, save_recipe, section
 from clipkit.registry import Registry
+from clipkit.tiled import settings as tiled_settings
+from clipkit.tiled.contract import refusal as tiled_refusal
 from clipkit.train.checkpoint import latest_checkpoint, load_state, load_weights, restore_trainer
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.runtime import Runtime
@@ -58,6 +60,7 @@ class Trainer:
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
     augment: Any = None  # BatchedDeviceAugment under data.augment: batched
+    tiling: Any = None  # clipkit.tiled.settings.Tiling (loss.tiled, loss.tile_size); None: full logits
 
 
 def default_shard_dir(source: str) -> Path:
@@ -86,16 +89,18 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     check_memory(recipe, model, runtime, workers=workers.workers if data.stream is None else 0,
                  announce=runtime.is_main)  # fmt: skip
     stream = build_stream(recipe, runtime, registry, model)
+    loss_config, tiling = tiled_settings.split(recipe["loss"])  # loss.tiled: the host's, not the loss's
     loss = build_slot(
         registry,
         "loss",
-        recipe["loss"],
+        loss_config,
         "loss",
         num_samples=stream.num_samples,
         total_steps=settings.steps,
         batch_size=runtime.plan.global_size,  # the global batch (NUCLR's epoch-based ζ schedule)
     )
     check_loss_fits_runtime(loss, model.similarity, runtime)
+    tiling.applies(runtime.plan.global_size, tiled_refusal(loss, model.similarity))  # tiled: true refuses
     optimizer = build_slot(
         registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
     )
@@ -126,6 +131,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         schedule=schedule,
         stream=stream,
         run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
+        tiling=tiling,
     )
     if batched:
         trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)

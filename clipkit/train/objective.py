@@ -52,6 +52,10 @@ def contrastive_loss(
     rt, loss_fn, similarity = trainer.runtime, trainer.loss, similarity_of(trainer)
     a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
     epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
+    if uses_tiles(trainer, a.batch_size):  # loss.tiled: never materialise the N×N logits
+        from clipkit.tiled.train import tiled_contrastive_loss
+
+        return tiled_contrastive_loss(trainer, local_a, local_b, a, b, batch, step, epoch)
     if rt.local_loss:
         n = local_a.batch_size
         image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
@@ -61,6 +65,16 @@ def contrastive_loss(
     logits = similarity(a, b, generator=rt.generator(step))
     ctx = loss_context(trainer, global_fields(trainer, batch), a, b, step, epoch)
     return loss_fn(logits, rt.targets(a.batch_size), ctx)
+
+
+def uses_tiles(trainer: Trainer, batch_size: int) -> bool:
+    """Whether ``loss.tiled`` (clipkit.tiled.settings) routes this contrastive batch to the tiled path."""
+    tiling = getattr(trainer, "tiling", None)
+    if tiling is None or tiling.mode == "false":
+        return False
+    from clipkit.tiled.contract import refusal
+
+    return tiling.applies(batch_size, refusal(trainer.loss, similarity_of(trainer)))
 
 
 def similarity_of(trainer: Trainer):

@@ -131,6 +131,8 @@ class CyCLIPLoss:
     :class:`clipkit.plugins.losses.infonce.InfoNCE` on the logits handed in (any scale).
     """
 
+    #: loss.tiled: the cyclic terms compare whole N×N cosine and Gram matrices entry by entry.
+    tiled_unsupported = "its cyclic-consistency terms are sums over the N×N cosine and Gram matrices"
     requires: frozenset[str] = frozenset({"features"})
 
     def __init__(self, lambda_cross: float = 0.25, lambda_in: float = 0.25) -> None:
