@@ -164,7 +164,7 @@ def test_validate_refuses_tiled_true_for_cloob(registry=None):
 
 
 class _SlightlyWrongTiles(InfoNCE):
-    """A tiled form whose gradient w.r.t. the scale is off (the loss detaches one direction's lse)."""
+    """A tiled form off by a tiny extra term (1e-6 · the positives): check_tiled must notice."""
 
     def tiled_loss(self, logits, ctx):
         out = super().tiled_loss(logits, ctx)
