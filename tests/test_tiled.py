@@ -18,6 +18,7 @@ from clipkit.plugins.losses.baseline_losses import (
 from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity, InfoLOOB
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.similarities.dot import DotSimilarity
+from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
 from clipkit.testing import check_tiled, random_points
 from clipkit.tiled import LogSumExp, RowSum
@@ -45,6 +46,7 @@ SIMILARITIES = {
     "dot_bias": lambda: dot(bias=-2.0),
     "cosine_mean": lambda: CosineMeanSimilarity(init_scale=4.0),
     "wpse": lambda: WPSESimilarity(embed_dim=8, num_features=16, init_scale=4.0),
+    "kme": lambda: KMESimilarity(init_gamma=4.0, implementation="blockwise"),
 }
 
 
@@ -72,6 +74,13 @@ def masked_pair(batch: int = 11, points: int = 4, dim: int = 8) -> tuple[PointSe
         weights = torch.randn(batch, points, generator=generator)
         sets.append(PointSet(values, weights, real, "count"))
     return sets[0], sets[1]
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl"])
+def test_kme_with_masks(loss):
+    a, b = masked_pair()
+    a, b = (PointSet(x.points, x.weights.abs() + 0.1, x.mask, "sum") for x in (a, b))
+    check_tiled(LOSSES[loss](), SIMILARITIES["kme"](), pair=(a, b), tile_size=4, tolerance=1e-10)
 
 
 @pytest.mark.parametrize("loss", ["infonce", "siglip"])
