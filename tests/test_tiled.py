@@ -24,7 +24,7 @@ from clipkit.testing import check_tiled, random_points
 from clipkit.tiled import LogSumExp, RowSum
 from clipkit.tiled.engine import run_sweep
 from clipkit.tiled.settings import AUTO_ABOVE, Tiling, errors, split
-from clipkit.types import PointSet
+from clipkit.types import LossOutput, PointSet
 
 
 def dot(**kwargs):
@@ -183,3 +183,26 @@ class _SlightlyWrongTiles(InfoNCE):
 def test_check_tiled_catches_a_wrong_tiled_form():
     with pytest.raises(AssertionError, match="tiled != full for loss"):
         check_tiled(_SlightlyWrongTiles(), dot())
+
+
+class _OneDirectionInfoNCE:
+    """The third-party example of docs/plugins.md ("Tiled losses"), with its tiled_loss."""
+
+    requires = frozenset()
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def __call__(self, logits, targets, ctx):
+        loss = self.weight * torch.nn.functional.cross_entropy(logits.i2t, targets)
+        return LossOutput(loss, {"i2t_ce": loss.detach()})
+
+    def tiled_loss(self, logits, ctx):
+        (lse,) = logits.reduce(LogSumExp("i2t"))
+        loss = self.weight * (lse - logits.positives("i2t")).mean()
+        return LossOutput(loss, {"i2t_ce": loss.detach()})
+
+
+def test_the_documented_third_party_example():
+    check_tiled(_OneDirectionInfoNCE(0.5), DotSimilarity(), tolerance=1e-10)
+    check_tiled(_OneDirectionInfoNCE(0.5), DotSimilarity(), local_rows=(4, 5), tolerance=1e-10)

@@ -55,7 +55,9 @@ def contrastive_loss(
     if uses_tiles(trainer, a.batch_size):  # loss.tiled: never materialise the N×N logits
         from clipkit.tiled.train import tiled_contrastive_loss
 
-        return tiled_contrastive_loss(trainer, local_a, local_b, a, b, batch, step, epoch)
+        gathered = {} if rt.local_loss else global_fields(trainer, batch)
+        ctx = loss_context(trainer, gathered, a, b, step, epoch)
+        return tiled_contrastive_loss(trainer, similarity, local_a, local_b, a, b, ctx, step)
     if rt.local_loss:
         n = local_a.batch_size
         image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
