@@ -17,11 +17,13 @@ from clipkit.plugins.losses.baseline_losses import (
 )
 from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity, InfoLOOB
 from clipkit.plugins.losses.infonce import InfoNCE
+from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss
 from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
-from clipkit.testing import check_tiled, random_points
+from clipkit.testing import check_tiled, full_context, random_points
 from clipkit.tiled import LogSumExp, RowSum
+from clipkit.tiled.contract import tiled_global_loss
 from clipkit.tiled.engine import run_sweep
 from clipkit.tiled.settings import AUTO_ABOVE, Tiling, errors, split
 from clipkit.types import LossOutput, PointSet
@@ -206,3 +208,42 @@ class _OneDirectionInfoNCE:
 def test_the_documented_third_party_example():
     check_tiled(_OneDirectionInfoNCE(0.5), DotSimilarity(), tolerance=1e-10)
     check_tiled(_OneDirectionInfoNCE(0.5), DotSimilarity(), local_rows=(4, 5), tolerance=1e-10)
+
+
+NUCLR_CASES = {
+    "sogclr": lambda: SogCLRLoss(num_samples=64, tau=0.1, gamma=0.9),
+    "nuclr": lambda: NUCLRLoss(
+        num_samples=64, tau=0.1, gamma=0.8, freeze_epochs=0, zeta_lr=0.05, zeta_lr_schedule="constant"
+    ),  # fmt: skip
+    "nuclr_code": lambda: NUCLRLoss(
+        num_samples=64,
+        tau=0.1,
+        gamma=0.8,
+        freeze_epochs=0,
+        zeta_lr=0.05,
+        zeta_lr_schedule="constant",
+        first_visit="set",
+        offset_rescale="code",
+        xi_update="epoch",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUCLR_CASES))
+def test_per_sample_state_losses_tile_exactly(name):
+    """SogCLR / NUCLR: loss, metrics, gradients and the state written (u, b, ζ, z) equal the full path,
+    over two steps (the second reads the state the first wrote, with ζ no longer at its start)."""
+    full_loss, tiled_loss = NUCLR_CASES[name](), NUCLR_CASES[name]()
+    for step in range(2):
+        check_tiled(full_loss, dot(), batch=13, tile_size=4, tolerance=1e-10)
+        # check_tiled runs on copies: advance both copies of the state by one real step each.
+        for loss in (full_loss, tiled_loss):
+            a, b = random_points(13, 1, 8, seed=10 + step), random_points(13, 1, 8, seed=20 + step)
+            ctx = full_context(13, loss.requires, a, b)
+            if loss is full_loss:
+                loss(dot()(a, b), torch.arange(13), ctx)
+            else:
+                tiled_global_loss(loss, dot(), a, b, ctx, tile_size=4)
+        for key, value in full_loss.state_dict().items():
+            got = tiled_loss.state_dict()[key]
+            assert torch.allclose(got.double(), value.double(), rtol=1e-5, atol=1e-6, equal_nan=True), key

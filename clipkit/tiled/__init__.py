@@ -14,6 +14,7 @@ import importlib
 _EXPORTS = {
     "ArgMax": "clipkit.tiled.engine",
     "LogSumExp": "clipkit.tiled.engine",
+    "Max": "clipkit.tiled.engine",
     "RowSum": "clipkit.tiled.engine",
     "Tile": "clipkit.tiled.engine",
     "TiledLogits": "clipkit.tiled.logits",

@@ -76,7 +76,14 @@ class ArgMax:
     direction: str
 
 
-Reduction = LogSumExp | RowSum | ArgMax
+@dataclass(frozen=True, eq=False)
+class Max:
+    """[rows] each row's largest logit; not differentiable (NUCLR's running offset b)."""
+
+    direction: str
+
+
+Reduction = LogSumExp | RowSum | ArgMax | Max
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ class _SweepFunction(torch.autograd.Function):
         outputs = tuple(_finish(r, s) for r, s in zip(sweep.reductions, states, strict=True))
         ctx.sweep = sweep
         ctx.save_for_backward(*inputs, *outputs)
-        indices = [o for r, o in zip(sweep.reductions, outputs, strict=True) if isinstance(r, ArgMax)]
+        indices = [o for r, o in zip(sweep.reductions, outputs, strict=True) if isinstance(r, ArgMax | Max)]
         ctx.mark_non_differentiable(*indices)
         return outputs
 
@@ -175,7 +182,7 @@ class _SweepFunction(torch.autograd.Function):
         live = [
             (reduction, output, grad)
             for reduction, output, grad in zip(sweep.reductions, outputs, grad_outputs, strict=True)
-            if grad is not None and not isinstance(reduction, ArgMax)
+            if grad is not None and not isinstance(reduction, ArgMax | Max)
         ]
         grads = [torch.zeros_like(t) if _wants_grad(t, ctx, i) else None for i, t in enumerate(inputs)]
         if not live:
@@ -272,4 +279,4 @@ def _accumulate(reduction: Reduction, state: list[Tensor], logits: Tensor, tile:
 
 
 def _finish(reduction: Reduction, state: list[Tensor]) -> Tensor:
-    return state[1] if isinstance(reduction, ArgMax) else state[0]
+    return state[1] if isinstance(reduction, ArgMax) else state[0]  # Max keeps ArgMax's running value
