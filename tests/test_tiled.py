@@ -18,6 +18,7 @@ from clipkit.plugins.losses.baseline_losses import (
 from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity, InfoLOOB
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss
+from clipkit.plugins.losses.yaware import SimCLRLoss, SupConLoss, YAwareInfoNCE
 from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
@@ -247,3 +248,25 @@ def test_per_sample_state_losses_tile_exactly(name):
         for key, value in full_loss.state_dict().items():
             got = tiled_loss.state_dict()[key]
             assert torch.allclose(got.double(), value.double(), rtol=1e-5, atol=1e-6, equal_nan=True), key
+
+
+KERNEL_LOSSES = {
+    "yaware": lambda: YAwareInfoNCE(),
+    "yaware_two_factors": lambda: YAwareInfoNCE(
+        kernel=[{"key": "age", "type": "rbf", "sigma": 3.0}, {"key": "label", "type": "delta"}]
+    ),
+    "simclr": SimCLRLoss,
+    "supcon": lambda: SupConLoss(base_temperature=0.1, temperature=0.07),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_LOSSES))
+def test_target_weighted_two_view_losses_tile_exactly(name):
+    """y-Aware InfoNCE / SimCLR / SupCon: the 2N views scored by tiles, target weights from the
+    meta-data kernel per tile (full path: the in-modal N×N logits and the 2N × 2N kernel)."""
+    check_tiled(KERNEL_LOSSES[name](), dot(), batch=13, tile_size=4, tolerance=1e-10)
+
+
+def test_yaware_code_normalisation_is_refused_when_tiled():
+    with pytest.raises(ClipkitError, match="normalisation 'code'"):
+        check_tiled(YAwareInfoNCE(normalisation="code"), dot())

@@ -86,6 +86,18 @@ class TiledLogits:
             results.update({i: v for (i, _), v in zip(chosen, values, strict=True)})
         return [results[i] for i in range(len(reductions))]
 
+    def views(self) -> TiledLogits:
+        """The 2N × 2N matrix of both sides' rows against both (two-view losses, y-Aware / SupCon):
+        rows 0..N−1 are the A rows, N..2N−1 the B rows, so its diagonal blocks are the in-modal
+        logits and its off-diagonal blocks i2t and t2i (for a symmetric ``score``, as every built-in
+        tileable similarity is). Each row's target is itself: ``exclude_positive`` drops self-pairs."""
+        if not self.shared:
+            raise ValueError("views() needs the global batch (not train.distributed.local_loss)")
+        side = self.sides["i2t"]
+        both = tuple(torch.cat([a, b]) for a, b in zip(side.anchors, side.candidates, strict=True))
+        rows = torch.arange(both[0].shape[0], device=side.targets.device)
+        return global_logits(self.score, both, both, rows, self.parameters, self.tile_size, self._score_pairs)
+
     def _sweep(self, reductions, side: Side) -> Sweep:
         """The sweep over ``side``'s matrix, oriented as score(A, B)."""
         if side.anchors_a:

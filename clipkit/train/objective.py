@@ -56,7 +56,7 @@ def contrastive_loss(
         from clipkit.tiled.train import tiled_contrastive_loss
 
         gathered = {} if rt.local_loss else global_fields(trainer, batch)
-        ctx = loss_context(trainer, gathered, a, b, step, epoch)
+        ctx = loss_context(trainer, gathered, a, b, step, epoch, in_modal=False)  # tiled losses score views
         return tiled_contrastive_loss(trainer, similarity, local_a, local_b, a, b, ctx, step)
     if rt.local_loss:
         n = local_a.batch_size
@@ -84,14 +84,17 @@ def similarity_of(trainer: Trainer):
     return trainer.runtime.unwrap(trainer.model).similarity
 
 
-def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float) -> LossContext:
+def loss_context(
+    trainer: Trainer, gathered: dict, a, b, step: int, epoch: float, *, in_modal: bool = True
+) -> LossContext:
     """Only the fields the loss declared (in-modal similarities cost two more N×N products).
 
-    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes).
+    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes);
+    ``in_modal=False`` leaves the N×N in-modal logits out (the tiled path scores them by tiles).
     """
     requires, similarity = optional_member(trainer.loss, "requires"), similarity_of(trainer)
     fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
-    if "in_modal" in requires:
+    if "in_modal" in requires and in_modal:
         fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
     if "features" in requires:
         fields["features"] = (a, b)
