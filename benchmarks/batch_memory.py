@@ -13,6 +13,7 @@ that fit (it is not measured there).
         [--pairs dot+infonce,dot+siglip,hopfield+cloob,kme+infonce,wpse+infonce] [--tile 1024]
         [--device cpu|cuda] [--threads 1] [--budget-gib 16]
     python benchmarks/batch_memory.py --demo 262144 --dim 128 --tile 4096   # one tiled InfoNCE step
+    python benchmarks/batch_memory.py --demo 262144 --local-rows 4096 ...   # one process's share of it
 
 A pair whose plugins have no tiled form shows the refusal instead of a tiled row. The full path is
 skipped (``skipped``) where its logits alone (2·N² fp32) would exceed --budget-gib.
@@ -206,11 +207,11 @@ def demo(args) -> None:
 
     from clipkit.plugins.losses.infonce import InfoNCE
     from clipkit.plugins.similarities.dot import DotSimilarity
-    from clipkit.tiled import tiled_global_loss
+    from clipkit.tiled import tiled_global_loss, tiled_local_loss
     from clipkit.types import LossContext, PointSet
 
     torch.set_num_threads(args.threads)
-    n, dim = args.demo, args.dim
+    n, dim, rows = args.demo, args.dim, args.local_rows or args.demo
     generator = torch.Generator().manual_seed(0)
     points = [
         torch.nn.functional.normalize(torch.randn(n, 1, dim, generator=generator), dim=-1) for _ in "ab"
@@ -221,7 +222,14 @@ def demo(args) -> None:
     print(f"N = {n}, d = {dim}, tile {args.tile}: inputs {2 * n * dim * 4 / 2**20:.0f} MiB; "
           f"the full fp32 logits would take {2 * n * n * 4 / 2**30:.0f} GiB", flush=True)  # fmt: skip
     started_cpu, started_wall = time.process_time(), time.perf_counter()
-    out = tiled_global_loss(InfoNCE(), similarity, a, b, LossContext(), tile_size=args.tile)
+    if rows < n:  # train.distributed.local_loss: this process's `rows` anchors against all n candidates
+        print(f"local form: anchors 0..{rows - 1} (both directions) against all {n} candidates", flush=True)
+        local_a, local_b = a.rows(0, rows), b.rows(0, rows)
+        out = tiled_local_loss(
+            InfoNCE(), similarity, local_a, b, a, local_b, 0, LossContext(), tile_size=args.tile
+        )
+    else:
+        out = tiled_global_loss(InfoNCE(), similarity, a, b, LossContext(), tile_size=args.tile)
     forward_cpu = time.process_time() - started_cpu
     print(f"forward: loss {float(out.loss.detach()):.6f}, {forward_cpu:.0f} s CPU", flush=True)
     out.loss.backward()
@@ -232,7 +240,8 @@ def demo(args) -> None:
         f"forward + backward: {total_cpu:.0f} s CPU, {total_wall:.0f} s wall; "
         f"peak RSS {peak / 2**30:.2f} GiB "
         f"({(peak - before) / 2**30:.2f} GiB above the inputs); gradients finite: {finite}; "
-        f"d loss / d log_scale = {float(similarity.log_scale.grad):.6f}",
+        f"d loss / d log_scale = {float(similarity.log_scale.grad):.6f}; "
+        f"{2 * rows * n / total_cpu:.3g} logits (fwd + bwd) per CPU second",
         flush=True,
     )
 
@@ -250,6 +259,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--demo", type=int, default=0, help="run one tiled InfoNCE step at this N")
+    parser.add_argument("--local-rows", type=int, default=0, help="--demo: only this process's anchors")
     parser.add_argument("--point", nargs=3, metavar=("PAIR", "PATH", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.point:
