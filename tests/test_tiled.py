@@ -270,3 +270,20 @@ def test_target_weighted_two_view_losses_tile_exactly(name):
 def test_yaware_code_normalisation_is_refused_when_tiled():
     with pytest.raises(ClipkitError, match="normalisation 'code'"):
         check_tiled(YAwareInfoNCE(normalisation="code"), dot())
+
+
+def test_validate_explains_the_knob():
+    from typer.testing import CliRunner
+
+    from clipkit.cli import make_app
+    from clipkit.manager import make_plugin_manager
+
+    app = make_app(make_plugin_manager(autoload=False))
+    result = CliRunner().invoke(app, ["validate", "clip@tiny", "data.batch_size=65536"])
+    assert result.exit_code == 0, result.output
+    assert "# loss.tiled: auto — contrastive batch 65536: tiled, 1024×1024 tiles" in result.output
+    assert "the full logits would take 32 GiB" in result.output
+    result = CliRunner().invoke(app, ["validate", "cloob@tiny"])
+    assert "full N×N logits (the similarity HopfieldSimilarity has no tiled form" in result.output
+    result = CliRunner().invoke(app, ["validate", "clip@tiny", "loss.tiled=maybe"])
+    assert result.exit_code == 2 and "loss.tiled: must be auto, true or false, got 'maybe'" in result.output
