@@ -11,12 +11,13 @@ that fit (it is not measured there).
 
     python benchmarks/batch_memory.py [--sizes 1024,2048,4096,8192] [--dim 128] [--rounds 3]
         [--pairs dot+infonce,dot+siglip,hopfield+cloob,kme+infonce,wpse+infonce] [--tile 1024]
-        [--device cpu|cuda] [--threads 1] [--budget-gib 16]
+        [--device cpu|cuda] [--threads 1] [--budget-gib 16] [--out batch_memory.jsonl]
+    python benchmarks/batch_memory.py --summarize batch_memory.jsonl   # tables of the recorded points
     python benchmarks/batch_memory.py --demo 262144 --dim 128 --tile 4096   # one tiled InfoNCE step
     python benchmarks/batch_memory.py --demo 262144 --local-rows 4096 ...   # one process's share of it
 
 A pair whose plugins have no tiled form shows the refusal instead of a tiled row. The full path is
-skipped (``skipped``) where its logits alone (2·N² fp32) would exceed --budget-gib.
+skipped where its estimated peak (24 bytes per logit) would exceed --max-gib (this machine's safety).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import sys
 import time
 
 PAIRS = "dot+infonce,dot+siglip,hopfield+cloob,kme+infonce,wpse+infonce"
+#: Bytes per logit the full path holds at its peak (i2t, t2i, softmax, gradients: the memory
+#: estimate's figure, clipkit.train.memory_fit); a point above --max-gib is not run.
+FULL_BYTES_PER_LOGIT = 24
 
 
 def build(pair: str, dim: int):
@@ -147,58 +151,71 @@ def median(values: list[float]) -> float:
 
 
 def sweep(args) -> None:
+    """Run every (pair, N, path) once per round, appending each point to --out as it finishes."""
     sizes = [int(s) for s in args.sizes.split(",")]
-    budget = args.budget_gib * 2**30
+    with open(args.out, "a") as out:
+        for round_index in range(args.rounds):
+            for pair in args.pairs.split(","):
+                for n in sizes:
+                    for path in ("full", "tiled") if round_index % 2 == 0 else ("tiled", "full"):
+                        if path == "full" and FULL_BYTES_PER_LOGIT * n * n > args.max_gib * 2**30:
+                            result = {"skipped": f"full path would exceed --max-gib {args.max_gib:g}"}
+                        else:
+                            result = run_point(args, pair, path, n)
+                        record = {"pair": pair, "path": path, "n": n, "round": round_index, **result}
+                        out.write(json.dumps(record) + "\n")
+                        out.flush()
+    summarize(args.out, args.device, args.budget_gib)
+
+
+def summarize(path: str, device: str, budget_gib: float) -> None:
+    """The tables of docs/benchmarks.md from the points recorded in ``path`` (JSON lines)."""
+    with open(path) as lines:
+        records = [json.loads(line) for line in lines if line.strip()]
+    budget, key = budget_gib * 2**30, "wall_s" if device.startswith("cuda") else "cpu_s"
     results: dict[tuple[str, str, int], list[dict]] = {}
-    for round_index in range(args.rounds):
-        for pair in args.pairs.split(","):
-            for n in sizes:
-                for path in ("full", "tiled") if round_index % 2 == 0 else ("tiled", "full"):
-                    if path == "full" and 2 * 4 * n * n > budget:
-                        results.setdefault((pair, path, n), []).append({"skipped": "logits > budget"})
-                        continue
-                    results.setdefault((pair, path, n), []).append(run_point(args, pair, path, n))
-    print(
-        f"device {args.device}, d = {args.dim}, tile {args.tile}, "
-        f"{args.threads} thread(s), {args.rounds} rounds"
-    )
-    print("| pair | path | N | peak memory (MiB) | time (s) |")
+    for record in records:
+        results.setdefault((record["pair"], record["path"], record["n"]), []).append(record)
+    rounds = max((r["round"] for r in records), default=0) + 1
+    print(f"{len(records)} points, {rounds} round(s), device {device}")
+    print("| pair | path | N | peak memory above inputs (MiB) | time (s) |")
     print("|---|---|---|---|---|")
-    for (pair, path, n), points in results.items():
+    for (pair, path, n), points in sorted(
+        results.items(), key=lambda item: (item[0][0], item[0][2], item[0][1])
+    ):
         measured = [p for p in points if "peak_bytes" in p]
-        key = "wall_s" if args.device.startswith("cuda") else "cpu_s"
         if measured:
             memory = fmt_range([p["peak_bytes"] for p in measured], 2**20, 1)
-            seconds = fmt_range([p[key] for p in measured], 1.0)
-            print(f"| {pair} | {path} | {n} | {memory} | {seconds} |")
+            print(f"| {pair} | {path} | {n} | {memory} | {fmt_range([p[key] for p in measured], 1.0)} |")
         else:
             reason = next(iter(p.get("refused") or p.get("failed") or p.get("skipped") for p in points))
             print(f"| {pair} | {path} | {n} | {reason} | |")
     print()
     print(
-        "| pair | path | memory exponent k | largest N in budget (extrapolated) | tiled/full time (median) |"
+        "| pair | path | memory exponent k | largest N in budget (extrapolated) | tiled / full time per N |"
     )
     print("|---|---|---|---|---|")
-    for pair in args.pairs.split(","):
+    for pair in sorted({p for p, _, _ in results}):
         for path in ("full", "tiled"):
+            sizes = sorted(n for p, q, n in results if p == pair and q == path)
             fit_sizes, fit_values, ratios = [], [], []
             for n in sizes:
                 measured = [p for p in results[(pair, path, n)] if "peak_bytes" in p]
                 if measured:
                     fit_sizes.append(n)
                     fit_values.append(median([p["peak_bytes"] for p in measured]))
-                other = [p for p in results[(pair, "full", n)] if "cpu_s" in p]
+                other = [p for p in results.get((pair, "full", n), []) if key in p]
                 if path == "tiled" and measured and other:
-                    key = "wall_s" if args.device.startswith("cuda") else "cpu_s"
                     ratios.append(median([p[key] for p in measured]) / median([p[key] for p in other]))
             fit = fitted_exponent(fit_sizes, fit_values)
             if fit is None:
                 print(f"| {pair} | {path} | – | – | – |")
                 continue
             k, log_c = fit
-            largest = math.exp((math.log(budget) - log_c) / k) if k > 0 else float("inf")
+            # A flat fit (k < 0.5) is the allocator's fixed overhead, not growth: no extrapolation.
+            largest = f"{math.exp((math.log(budget) - log_c) / k):,.0f}" if k >= 0.5 else "not N-bound here"
             ratio = ", ".join(f"{r:.2f}" for r in ratios) if ratios else "–"
-            print(f"| {pair} | {path} | {k:.2f} | {largest:,.0f} | {ratio} |")
+            print(f"| {pair} | {path} | {k:.2f} | {largest} | {ratio} |")
 
 
 def demo(args) -> None:
@@ -257,14 +274,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--budget-gib", type=float, default=16.0)
+    parser.add_argument("--budget-gib", type=float, default=16.0, help="for the extrapolated largest N")
+    parser.add_argument(
+        "--max-gib", type=float, default=4.0, help="skip full-path points estimated above this"
+    )
     parser.add_argument("--demo", type=int, default=0, help="run one tiled InfoNCE step at this N")
     parser.add_argument("--local-rows", type=int, default=0, help="--demo: only this process's anchors")
+    parser.add_argument("--out", default="batch_memory.jsonl", help="points are appended here (JSON lines)")
+    parser.add_argument("--summarize", metavar="JSONL", help="only print the tables of recorded points")
     parser.add_argument("--point", nargs=3, metavar=("PAIR", "PATH", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.point:
         pair, path, n = args.point
         print(json.dumps(measure_point(pair, path, int(n), args.dim, args.tile, args.device, args.threads)))
+    elif args.summarize:
+        summarize(args.summarize, args.device, args.budget_gib)
     elif args.demo:
         demo(args)
     else:
