@@ -166,6 +166,7 @@ class _SweepFunction(torch.autograd.Function):
                         _accumulate(reduction, states[index], _oriented(logits, reduction.direction), tile)
         outputs = tuple(_finish(r, s) for r, s in zip(sweep.reductions, states, strict=True))
         ctx.sweep = sweep
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: its tiles are skipped
         ctx.save_for_backward(*inputs, *outputs)
         indices = [o for r, o in zip(sweep.reductions, outputs, strict=True) if isinstance(r, ArgMax | Max)]
         ctx.mark_non_differentiable(*indices)
@@ -207,29 +208,34 @@ def _leaves(features: Features, rows: slice, grads: Sequence[Tensor | None]) -> 
 def _backward_tile(sweep, live, features_a, features_b, rows_a, rows_b, grads) -> None:
     """Add one recomputed tile's contribution to ``grads`` (features a, features b, parameters).
 
-    ``score`` reads the similarity's own parameters (leaves that require grad); ``autograd.grad``
-    returns their tile gradient without touching ``.grad``, and the sum over tiles is returned to
-    autograd as this function's gradient for them.
+    The tile's logits are recomputed with a graph; their gradient dL = Σ_r g_r·∂reduction_r/∂L is
+    formed directly (softmax weights for a log-sum-exp, autograd of ``fn`` for a row sum) and sent
+    back through the similarity's ``score`` with one ``autograd.grad``. ``score`` reads the
+    similarity's own parameters (leaves that require grad); ``autograd.grad`` returns their tile
+    gradient without touching ``.grad``, and the sum over tiles is returned to autograd as this
+    function's gradient for them.
     """
     count_a, count_b = len(features_a), len(features_b)
     grads_a, grads_b = grads[:count_a], grads[count_a : count_a + count_b]
     with torch.enable_grad():
         leaves_a, leaves_b = _leaves(features_a, rows_a, grads_a), _leaves(features_b, rows_b, grads_b)
         logits = sweep.score(leaves_a, leaves_b)
-        surrogate = logits.new_zeros(())
-        for reduction, output, grad in live:
-            tile = _direction_tile(sweep, reduction.direction, rows_a, rows_b, logits.device)
-            oriented = _oriented(logits, reduction.direction)
-            value, grad_value = output[tile.rows].detach(), grad[tile.rows].detach()
-            surrogate = surrogate + _surrogate(reduction, oriented, tile, value, grad_value)
-        pairs = [
-            (tensor, grad)
-            for tensor, grad in zip((*leaves_a, *leaves_b, *sweep.parameters), grads, strict=True)
-            if grad is not None
-        ]
-        if not pairs or not surrogate.requires_grad:
-            return
-        computed = torch.autograd.grad(surrogate, [t for t, _ in pairs], allow_unused=True)
+    upstream = torch.zeros_like(logits, requires_grad=False)
+    for reduction, output, grad in live:
+        tile = _direction_tile(sweep, reduction.direction, rows_a, rows_b, logits.device)
+        oriented = _oriented(logits.detach(), reduction.direction)
+        value, grad_value = output[tile.rows].detach(), grad[tile.rows].detach()
+        _oriented(upstream, reduction.direction).add_(
+            _logit_gradient(reduction, oriented, tile, value, grad_value)
+        )
+    pairs = [
+        (tensor, grad)
+        for tensor, grad in zip((*leaves_a, *leaves_b, *sweep.parameters), grads, strict=True)
+        if grad is not None
+    ]
+    if not pairs or not logits.requires_grad:
+        return
+    computed = torch.autograd.grad(logits, [t for t, _ in pairs], grad_outputs=upstream, allow_unused=True)
     slots = [rows_a] * count_a + [rows_b] * count_b + [slice(None)] * (len(grads) - count_a - count_b)
     wanted = [slot for slot, grad in zip(slots, grads, strict=True) if grad is not None]
     for (_, grad), slot, value in zip(pairs, wanted, computed, strict=True):
@@ -237,13 +243,18 @@ def _backward_tile(sweep, live, features_a, features_b, rows_a, rows_b, grads) -
             grad[slot] += value
 
 
-def _surrogate(reduction, logits: Tensor, tile: Tile, output: Tensor, grad: Tensor) -> Tensor:
-    """A scalar whose gradient w.r.t. the tile's logits is grad_r · ∂reduction_r/∂L_rc."""
+def _logit_gradient(reduction, logits: Tensor, tile: Tile, output: Tensor, grad: Tensor) -> Tensor:
+    """[tr, tc] grad_r · ∂reduction_r/∂L_rc for the (detached) tile logits of the direction."""
     if isinstance(reduction, LogSumExp):
         values = _lse_values(reduction, logits, tile)
-        weights = (values.detach() - output.unsqueeze(1)).exp() * grad.unsqueeze(1)  # softmax · g
-        return (weights * logits).sum()
-    return (grad.unsqueeze(1) * reduction.fn(logits, tile)).sum()
+        return (values - output.unsqueeze(1)).exp() * grad.unsqueeze(1)  # softmax · g (0 where excluded)
+    with torch.enable_grad():
+        leaf = logits.detach().requires_grad_()
+        terms = reduction.fn(leaf, tile)
+        if not terms.requires_grad:  # a term that does not depend on the logits (e.g. weights alone)
+            return torch.zeros_like(logits)
+        (value,) = torch.autograd.grad(terms, leaf, grad.unsqueeze(1).expand_as(terms), allow_unused=True)
+    return torch.zeros_like(logits) if value is None else value
 
 
 def _initial_state(sweep: Sweep, reduction: Reduction, reference: Tensor) -> list[Tensor]:
