@@ -287,3 +287,19 @@ def test_validate_explains_the_knob():
     assert "full N×N logits (the similarity HopfieldSimilarity has no tiled form" in result.output
     result = CliRunner().invoke(app, ["validate", "clip@tiny", "loss.tiled=maybe"])
     assert result.exit_code == 2 and "loss.tiled: must be auto, true or false, got 'maybe'" in result.output
+
+
+def test_zero3_keeps_the_full_path_and_refuses_tiled_true():
+    from types import SimpleNamespace
+
+    from clipkit.tiled.settings import for_runtime
+
+    zero3, ddp = (
+        SimpleNamespace(strategy="deepspeed", zero_stage=3),
+        SimpleNamespace(strategy="ddp", zero_stage=2),
+    )
+    assert (
+        for_runtime(Tiling("auto"), zero3) == Tiling("false") and for_runtime(Tiling("auto"), ddp) == Tiling()
+    )
+    with pytest.raises(ClipkitError, match="ZeRO-3"):
+        for_runtime(Tiling("true"), zero3)

@@ -46,6 +46,21 @@ class Tiling:
         return self.mode == "true" or batch_size > AUTO_ABOVE
 
 
+def for_runtime(tiling: Tiling, distributed: Any) -> Tiling:
+    """``tiling`` for the run's strategy: ZeRO-3 partitions the similarity's parameters outside its
+    module's forward, where the tiled backward re-scores tiles, so ``true`` is refused there and
+    ``auto`` stays on the full path."""
+    if getattr(distributed, "strategy", "ddp") != "deepspeed" or getattr(distributed, "zero_stage", 0) != 3:
+        return tiling
+    if tiling.mode == "true":
+        raise ClipkitError(
+            "loss.tiled: true is not supported under DeepSpeed ZeRO-3 (the tiled backward re-scores tiles "
+            "outside the similarity's forward, where ZeRO-3 has partitioned its parameters); "
+            "use zero_stage 1/2 or loss.tiled=false"
+        )
+    return Tiling("false", tiling.tile_size)
+
+
 def _mode(value: Any) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -90,6 +90,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
                  announce=runtime.is_main)  # fmt: skip
     stream = build_stream(recipe, runtime, registry, model)
     loss_config, tiling = tiled_settings.split(recipe["loss"])  # loss.tiled: the host's, not the loss's
+    tiling = tiled_settings.for_runtime(tiling, distributed_config(recipe))
     loss = build_slot(
         registry,
         "loss",
