@@ -559,6 +559,10 @@ def validate_command(
         typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
         typer.echo("\n".join(knob_lines(resolved)))
     api.check_data(resolved, registry())
+    from clipkit.recipe import section
+    from clipkit.tiled.settings import explain
+
+    typer.echo(explain(resolved, registry(), section(resolved, "data").batch_size))
     typer.echo(f"{resolved['name']}: ok")
 
 

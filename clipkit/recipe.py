@@ -448,6 +448,9 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     for i, task in enumerate(tasks):
         errors += check_slot(task, f"eval.{i}", "eval", EVAL_INJECTED, registry)
     errors += _check_values(recipe, errors)
+    from clipkit.tiled import settings as tiling
+
+    errors += tiling.validation_errors(recipe, registry)
     return errors
 
 
@@ -471,7 +474,13 @@ def check_slot(config: Any, path: str, kind: str, injected: frozenset[str], regi
     except UnknownNameError as error:
         return [f"{path}.name: {error}"]
     kwargs = {k: v for k, v in config.items() if k != "name"}
-    return check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
+    host_errors = []
+    if kind == "loss":  # loss.tiled / loss.tile_size are the host's (clipkit.tiled.settings)
+        from clipkit.tiled import settings as tiling
+
+        host_errors = tiling.errors(config)
+        kwargs = {k: v for k, v in kwargs.items() if k not in tiling.HOST_KEYS}
+    return host_errors + check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
 
 
 def _check_required_tokenizer(recipe: dict, registry: Registry) -> list[str]:

@@ -8,6 +8,9 @@
     def test_my_loss():
         check_loss(my_package.MyLoss())              # shapes, finiteness, gradients, requires
 
+    def test_my_loss_tiles():
+        check_tiled(my_package.MyLoss(), DotSimilarity())  # loss.tiled: tiled equals full (float64)
+
 Each check raises ``AssertionError`` with a message saying which contract was broken.
 They use small random inputs on CPU and take well under a second.
 """
@@ -199,3 +202,86 @@ def _bare_manager(plugin):
     pm.register(plugin)
     pm.check_pending()
     return pm
+
+
+def check_tiled(
+    loss,
+    similarity,
+    *,
+    batch: int = 13,
+    tile_size: int = 4,
+    dim: int = 8,
+    points: int = 3,
+    weighted: bool = False,
+    local_rows: tuple[int, int] | None = None,
+    pair: tuple[PointSet, PointSet] | None = None,
+    tolerance: float = 1e-9,
+) -> tuple[LossOutput, LossOutput]:
+    """ "Tiled equals full" (``loss.tiled``, :mod:`clipkit.tiled.contract`) in float64: the loss, its
+    metrics and the gradients of the points, weights and similarity parameters agree within
+    ``tolerance`` (relative to the values' size). ``batch`` is odd and ``tile_size`` does not divide it
+    by default, so ragged last tiles are exercised. ``local_rows`` = (offset, n): also check the
+    ``local_loss`` form (anchors offset .. offset + n − 1 against the whole batch). The plugins are
+    deep-copied per run, so per-sample state is not carried over. Returns (full, tiled) outputs.
+    """
+    import copy
+
+    from clipkit.tiled.contract import refusal, tiled_global_loss, tiled_local_loss
+
+    reason = refusal(loss, similarity)
+    assert reason is None, f"not tileable: {reason}"
+    if pair is None:
+        pair = (random_points(batch, points, dim, weighted=weighted, seed=1),
+                random_points(batch, points, dim, weighted=weighted, seed=2))  # fmt: skip
+    a, b = (_as_float64_leaves(x) for x in pair)
+    base = copy.deepcopy(similarity).double()
+
+    def run(tiled: bool) -> tuple[LossOutput, list]:
+        this_loss, this_similarity = copy.deepcopy(loss), copy.deepcopy(base)
+        ctx = full_context(a.batch_size, optional_member(loss, "requires"), a, b, this_similarity)
+        if local_rows is None:
+            targets = torch.arange(a.batch_size)
+            out = (tiled_global_loss(this_loss, this_similarity, a, b, ctx, tile_size=tile_size) if tiled
+                   else this_loss(this_similarity(a, b), targets, ctx))  # fmt: skip
+        else:
+            offset, n = local_rows
+            local_a, local_b = a.rows(offset, offset + n), b.rows(offset, offset + n)
+            if tiled:
+                out = tiled_local_loss(this_loss, this_similarity, local_a, b, a, local_b, offset, ctx,
+                                       tile_size=tile_size)  # fmt: skip
+            else:
+                logits = Logits(this_similarity(local_a, b).i2t, this_similarity(a, local_b).t2i)
+                out = this_loss(logits, offset + torch.arange(n), ctx)
+        leaves = [t for t in (*a[:2], *b[:2]) if t is not None]
+        leaves += [p for p in this_similarity.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
+        return out, grads
+
+    (full, full_grads), (tiled, tiled_grads) = run(False), run(True)
+    _assert_close("loss", full.loss, tiled.loss, tolerance)
+    assert set(full.metrics) == set(tiled.metrics), (
+        f"metrics differ: {sorted(full.metrics)} vs {sorted(tiled.metrics)}"
+    )
+    for key, value in full.metrics.items():
+        _assert_close(f"metric {key}", torch.as_tensor(value), torch.as_tensor(tiled.metrics[key]), tolerance)
+    for index, (want, got) in enumerate(zip(full_grads, tiled_grads, strict=True)):
+        if want is None or got is None:
+            assert want is None or float(want.abs().max()) == 0, f"gradient {index}: tiled has none"
+            continue
+        _assert_close(f"gradient {index}", want, got, tolerance)
+    return full, tiled
+
+
+def _as_float64_leaves(x: PointSet) -> PointSet:
+    """A float64 copy of ``x`` whose points (and weights) are fresh leaves that require grad."""
+    weights = None if x.weights is None else x.weights.detach().double().requires_grad_()
+    return PointSet(x.points.detach().double().requires_grad_(), weights, x.mask, x.weight_normalization)
+
+
+def _assert_close(what: str, want: torch.Tensor, got: torch.Tensor, tolerance: float) -> None:
+    want, got = want.detach().double(), got.detach().double()
+    scale = max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+    error = float((want - got).abs().max()) if want.numel() else 0.0
+    assert error <= tolerance * scale, (
+        f"tiled != full for {what}: max |difference| {error:.3g} (scale {scale:.3g})"
+    )

@@ -312,6 +312,9 @@ class Similarity(Protocol):
         uses_random_features: bool = False — the logits depend on the generator (WPSE); evaluation
             then reports mean ± std over feature seeds.
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
+        tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
+            logits of those rows, score_pairs(fa, fb) -> [n] (optional): the tiled path
+            (``loss.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
     """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
@@ -336,6 +339,9 @@ class Loss(Protocol):
             (SogCLR/NUCLR): the loop refuses exact gradient accumulation for it (which would score
             every batch twice) and stops, never skips, on a non-finite step (the state has already
             taken the batch in). Requiring ``index`` alone does not make a loss stateful.
+        tiled_loss(logits: TiledLogits, ctx) -> LossOutput — the same loss from row/column
+            reductions of tiles (``loss.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
+            str — why the loss has no tiled form (``loss.tiled: true`` then refuses with it).
     """
 
     requires: frozenset[str]
@@ -350,6 +356,11 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "stateful": False,  # Loss
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
+    "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
+    "score_tile": None,  # Similarity
+    "score_pairs": None,  # Similarity (optional speed-up of the positives)
+    "tiled_loss": None,  # Loss: tiled path
+    "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
     "projection_module_name": None,  # Encoder
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a
     # pretrained text tower needs, e.g. {"name": "wordpiece", "vocab": "minilm"}; None: any tokenizer.

@@ -30,6 +30,9 @@ from clipkit.machine import fit_to_machine, launch_warning
 from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
 from clipkit.recipe import DataConfig, TrainConfig, distributed_config, save_recipe, section
 from clipkit.registry import Registry
+from clipkit.tiled import settings as tiled_settings
+from clipkit.tiled.contract import refusal as tiled_refusal
+from clipkit.tiled.settings import Tiling
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.runtime import Runtime
@@ -82,6 +85,7 @@ class Trainer:
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
     augment: BatchedDeviceAugment | None = None  # under data.augment: batched
+    tiling: Tiling | None = None  # loss.tiled, loss.tile_size; None: full logits
 
 
 def default_shard_dir(source: str) -> Path:
@@ -110,16 +114,19 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     check_memory(recipe, model, runtime, workers=workers.workers if data.stream is None else 0,
                  announce=runtime.is_main)  # fmt: skip
     stream = build_stream(recipe, runtime, registry, model)
+    loss_config, tiling = tiled_settings.split(recipe["loss"])  # loss.tiled: the host's, not the loss's
+    tiling = tiled_settings.for_runtime(tiling, distributed_config(recipe))
     loss = build_slot(
         registry,
         "loss",
-        recipe["loss"],
+        loss_config,
         "loss",
         num_samples=stream.num_samples,
         total_steps=settings.steps,
         batch_size=runtime.plan.global_size,  # the global batch (NUCLR's epoch-based ζ schedule)
     )
     check_loss_fits_runtime(loss, model.similarity, runtime)
+    tiling.applies(runtime.plan.global_size, tiled_refusal(loss, model.similarity))  # tiled: true refuses
     optimizer = build_slot(
         registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
     )
@@ -147,6 +154,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         schedule=schedule,
         stream=stream,
         run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
+        tiling=tiling,
     )
     training_step.trainer = trainer  # the step reads the trainer's runtime, loss and stream
     if batched:

@@ -15,7 +15,8 @@ or the process's share of ``data.batch_size``; ``G``: the global batch the loss 
   + DDP buckets                       4 bytes x trainable parameters (several processes only)
   + activations                       A(1) + (A(2) - A(1)) x (B - 1), measured (below)
   + logits                            24 bytes x rows x G (i2t and t2i, their softmax, gradients;
-                                      rows = B with train.distributed.local_loss, else G)
+                                      rows = B with train.distributed.local_loss, else G);
+                                      tiled (loss.tiled): 24 bytes x tile² + 64 bytes x G
   + batches in flight (host RAM)      (2 x workers + 2) x the bytes of one input batch
   + runtime (host RAM)                this process's resident memory now, less the weights
 
@@ -184,6 +185,7 @@ def input_batch_bytes(model, batch_size: int, image_size: int) -> int:
 def estimate_memory(recipe: dict, model, plan, *, world_size: int, device: str, workers: int) -> Estimate:
     """The estimate of the module docs for a built (not yet trained) model and batch ``plan``."""
     from clipkit.recipe import distributed_config, section
+    from clipkit.tiled import settings as tiled_settings
 
     settings, model_section = section(recipe, "train"), section(recipe, "model")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -199,7 +201,7 @@ def estimate_memory(recipe: dict, model, plan, *, world_size: int, device: str, 
         "optimiser step": trainable,
         "DDP buckets": trainable if world_size > 1 else 0,
         "activations": activation_bytes(model, per_forward, model_section.image_size, settings.precision),
-        "logits": LOGIT_BYTES * rows * plan.global_size,
+        "logits": tiled_settings.logit_bytes(recipe, rows, plan.global_size, LOGIT_BYTES),  # loss.tiled
         "batches in flight": (2 * workers + 2)
         * input_batch_bytes(model, plan.local_size, model_section.image_size),
         "runtime": max(0, (resident_bytes() or 0) - weights),  # the weights are in RAM until moved

@@ -31,6 +31,12 @@ def contrastive_loss(
     rt, loss_fn, similarity = trainer.runtime, trainer.loss, similarity_of(trainer)
     a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
     epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
+    if uses_tiles(trainer, a.batch_size):  # loss.tiled: never materialise the N×N logits
+        from clipkit.tiled.train import tiled_contrastive_loss
+
+        gathered = {} if rt.local_loss else global_fields(trainer, batch)
+        ctx = loss_context(trainer, gathered, a, b, step, epoch, in_modal=False)  # tiled losses score views
+        return tiled_contrastive_loss(trainer, similarity, local_a, local_b, a, b, ctx, step)
     if rt.local_loss:
         n = local_a.batch_size
         image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
@@ -42,19 +48,32 @@ def contrastive_loss(
     return loss_fn(logits, rt.targets(a.batch_size), ctx)
 
 
+def uses_tiles(trainer: Trainer, batch_size: int) -> bool:
+    """Whether ``loss.tiled`` (clipkit.tiled.settings) routes this contrastive batch to the tiled path."""
+    tiling = trainer.tiling
+    if tiling is None or tiling.mode == "false":
+        return False
+    from clipkit.tiled.contract import refusal
+
+    return tiling.applies(batch_size, refusal(trainer.loss, similarity_of(trainer)))
+
+
 def similarity_of(trainer: Trainer) -> nn.Module:
     """The model's similarity module: the one that scores (and owns the comparison's parameters)."""
     return trainer.model.similarity
 
 
-def loss_context(trainer: Trainer, gathered: dict, a, b, step: int, epoch: float) -> LossContext:
+def loss_context(
+    trainer: Trainer, gathered: dict, a, b, step: int, epoch: float, *, in_modal: bool = True
+) -> LossContext:
     """Only the fields the loss declared (in-modal similarities cost two more N×N products).
 
-    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes).
+    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes);
+    ``in_modal=False`` leaves the N×N in-modal logits out (the tiled path scores them by tiles).
     """
     requires, similarity = optional_member(trainer.loss, "requires"), similarity_of(trainer)
     fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
-    if "in_modal" in requires:
+    if "in_modal" in requires and in_modal:
         fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
     if "features" in requires:
         fields["features"] = (a, b)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clipkit.plugins.losses.infonce import InfoNCE
+from clipkit.tiled import ArgMax, LogSumExp, RowSum, Tile, TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 
@@ -56,6 +57,23 @@ def _positives_and_negative_lse(scores: Tensor, targets: Tensor) -> tuple[Tensor
 
 def _accuracy(scores: Tensor, targets: Tensor) -> Tensor:
     return (scores.detach().argmax(dim=1) == targets).float().mean()
+
+
+def tiled_positives_and_negative_lse(logits: TiledLogits) -> tuple[dict, dict, Tensor]:
+    """The tiled counterpart of :func:`_positives_and_negative_lse` for both directions, in one sweep:
+    ({direction: positive logits [rows]}, {direction: lse over the negatives [rows]}, acc_i2t)."""
+    for direction in ("i2t", "t2i"):
+        if logits.num_candidates(direction) < 2:
+            raise ValueError(
+                f"these losses need at least 2 candidates per row (one negative), got "
+                f"{logits.num_candidates(direction)}"
+            )
+    lse_i2t, lse_t2i, best = logits.reduce(
+        LogSumExp("i2t", exclude_positive=True), LogSumExp("t2i", exclude_positive=True), ArgMax("i2t")
+    )
+    positives = {d: logits.positives(d) for d in ("i2t", "t2i")}
+    accuracy = (best == logits.targets("i2t")).float().mean()
+    return positives, {"i2t": lse_i2t, "t2i": lse_t2i}, accuracy
 
 
 class SigLIPLoss:
@@ -93,6 +111,26 @@ class SigLIPLoss:
             },
         )
 
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from tile sums of the pair terms (``loss.tiled``; clipkit.tiled)."""
+        row_terms, best = logits.reduce(RowSum("i2t", _siglip_pair_terms), ArgMax("i2t"))
+        rows = logits.num_rows("i2t")
+        positive_terms = -F.logsigmoid(logits.positives("i2t").detach())
+        total = row_terms.sum()
+        return LossOutput(
+            total / rows,
+            {
+                "loss_pos": positive_terms.sum() / rows,
+                "loss_neg": (total.detach() - positive_terms.sum()) / rows,
+                "acc_i2t": (best == logits.targets("i2t")).float().mean(),
+            },
+        )
+
+
+def _siglip_pair_terms(scores: Tensor, tile: Tile) -> Tensor:
+    """[tr, tc] −log σ(z·L), z = +1 on the positives and −1 elsewhere."""
+    return -F.logsigmoid(torch.where(tile.positive, scores, -scores))
+
 
 class CyCLIPLoss:
     """CyCLIP: symmetric InfoNCE plus two cyclic-consistency regularisers (METHODS.md §7, §11).
@@ -110,6 +148,8 @@ class CyCLIPLoss:
     :class:`clipkit.plugins.losses.infonce.InfoNCE` on the logits handed in (any scale).
     """
 
+    #: loss.tiled: the cyclic terms compare whole N×N cosine and Gram matrices entry by entry.
+    tiled_unsupported = "its cyclic-consistency terms are sums over the N×N cosine and Gram matrices"
     requires: frozenset[str] = frozenset({"features"})
 
     def __init__(self, lambda_cross: float = 0.25, lambda_in: float = 0.25) -> None:
@@ -206,6 +246,18 @@ class DecoupledContrastiveLoss:
             },
         )
 
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from the positives and the negatives' lse of each row (``loss.tiled``)."""
+        positives, negative_lse, accuracy = tiled_positives_and_negative_lse(logits)
+        image_to_text, text_to_image = (
+            (-self.positive_weights(positives[d]) * positives[d] + negative_lse[d]).mean()
+            for d in ("i2t", "t2i")
+        )
+        return LossOutput(
+            (image_to_text + text_to_image) / 2,
+            {"loss_i2t": image_to_text.detach(), "loss_t2i": text_to_image.detach(), "acc_i2t": accuracy},
+        )
+
 
 class DebiasedContrastiveLoss:
     """Debiased contrastive loss of Chuang et al. 2020 — NUCLR's "DCL" baseline (METHODS.md §11).
@@ -264,8 +316,31 @@ class DebiasedContrastiveLoss:
     def direction(self, scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """scores [Na, Nb], targets [Na] -> (mean_i ℓ_i, fraction of rows where the clamp is active)."""
         positive, negative_lse = _positives_and_negative_lse(scores, targets)
-        log_negatives, clamp_active = self.log_negative_estimate(positive, negative_lse, scores.shape[1] - 1)
+        return self.direction_from(positive, negative_lse, scores.shape[1] - 1)
+
+    def direction_from(
+        self, positive: Tensor, negative_lse: Tensor, num_negatives: int
+    ) -> tuple[Tensor, Tensor]:
+        """[Na] positives, [Na] lse of the negatives -> (mean_i ℓ_i, fraction of clamped rows)."""
+        log_negatives, clamp_active = self.log_negative_estimate(positive, negative_lse, num_negatives)
         return (torch.logaddexp(positive, log_negatives) - positive).mean(), clamp_active.float().mean()
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from the positives and the negatives' lse of each row (``loss.tiled``)."""
+        positives, negative_lse, accuracy = tiled_positives_and_negative_lse(logits)
+        (image_to_text, clamped_i2t), (text_to_image, clamped_t2i) = (
+            self.direction_from(positives[d], negative_lse[d], logits.num_candidates(d) - 1)
+            for d in ("i2t", "t2i")
+        )
+        return LossOutput(
+            (image_to_text + text_to_image) / 2,
+            {
+                "loss_i2t": image_to_text.detach(),
+                "loss_t2i": text_to_image.detach(),
+                "clamp_fraction": (clamped_i2t + clamped_t2i) / 2,
+                "acc_i2t": accuracy,
+            },
+        )
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         image_to_text, clamped_i2t = self.direction(logits.i2t, targets)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from clipkit.tiled import TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 
@@ -55,6 +56,16 @@ def _metrics(logits: Logits, targets: Tensor, image_to_text: Tensor, text_to_ima
     return {"loss_i2t": image_to_text.detach(), "loss_t2i": text_to_image.detach(), "acc_i2t": accuracy}
 
 
+def _tiled_directions(logits: TiledLogits) -> tuple[Tensor, Tensor, dict]:
+    """InfoLOOB of both directions from tiles: mean_r (lse_{j≠t_r} L_rj − L_r,t_r); and the metrics."""
+    from clipkit.plugins.losses.baseline_losses import tiled_positives_and_negative_lse
+
+    positives, negative_lse, accuracy = tiled_positives_and_negative_lse(logits)
+    image_to_text, text_to_image = ((negative_lse[d] - positives[d]).mean() for d in ("i2t", "t2i"))
+    metrics = {"loss_i2t": image_to_text.detach(), "loss_t2i": text_to_image.detach(), "acc_i2t": accuracy}
+    return image_to_text, text_to_image, metrics
+
+
 class InfoLOOB:
     """Symmetric InfoLOOB (METHODS §4): ½ [ InfoLOOB(rows of i2t) + InfoLOOB(rows of t2i) ].
 
@@ -74,6 +85,11 @@ class InfoLOOB:
         image_to_text, text_to_image = _directions(logits, targets)
         loss = (image_to_text + text_to_image) / 2
         return LossOutput(loss, _metrics(logits, targets, image_to_text, text_to_image))
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from tiles (``loss.tiled``; any tileable similarity, e.g. ``dot``)."""
+        image_to_text, text_to_image, metrics = _tiled_directions(logits)
+        return LossOutput((image_to_text + text_to_image) / 2, metrics)
 
 
 class CLOOBLoss:
@@ -106,3 +122,8 @@ class CLOOBLoss:
         image_to_text, text_to_image = _directions(logits, targets)
         loss = self.tau * (image_to_text + text_to_image)
         return LossOutput(loss, _metrics(logits, targets, image_to_text, text_to_image))
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from tiles (``loss.tiled``); CLOOB's own ``hopfield`` similarity cannot tile."""
+        image_to_text, text_to_image, metrics = _tiled_directions(logits)
+        return LossOutput(self.tau * (image_to_text + text_to_image), metrics)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 
@@ -43,3 +44,28 @@ class InfoNCE:
                 "acc_i2t": accuracy,
             },
         )
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss from row/column reductions (``loss.tiled``; clipkit.tiled): per direction,
+        CE_r = lse_j L_rj − (1 − ε)·L_r,t_r − ε·mean_j L_rj (ε = label_smoothing)."""
+        reductions = [LogSumExp("i2t"), LogSumExp("t2i"), ArgMax("i2t")]
+        if self.label_smoothing:
+            reductions += [RowSum(d, _scaled_by(1 / logits.num_candidates(d))) for d in ("i2t", "t2i")]
+        values = logits.reduce(*reductions)
+        directions = []
+        for index, direction in enumerate(("i2t", "t2i")):
+            row_loss = values[index] - (1 - self.label_smoothing) * logits.positives(direction)
+            if self.label_smoothing:
+                row_loss = row_loss - self.label_smoothing * values[3 + index]
+            directions.append(row_loss.mean())
+        image_to_text, text_to_image = directions
+        accuracy = (values[2] == logits.targets("i2t")).float().mean()
+        return LossOutput(
+            (image_to_text + text_to_image) / 2,
+            {"loss_i2t": image_to_text.detach(), "loss_t2i": text_to_image.detach(), "acc_i2t": accuracy},
+        )
+
+
+def _scaled_by(factor: float):
+    """A RowSum term: factor·L (the mean logit of a row when factor = 1/candidates)."""
+    return lambda logits, tile: logits * factor

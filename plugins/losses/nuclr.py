@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from clipkit.tiled import TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 DIRECTIONS = ("i2t", "t2i")
@@ -160,22 +161,40 @@ def direction_step(
         b_new = torch.maximum(b_old, (tau * margins).max(dim=1).values)  # includes Σ_ii = 0
         exponents = margins if zeta is None else margins - (zeta / tau).unsqueeze(0)
         log_g = off_diagonal_log_mean_exp(exponents)
-        if code_rescale:
-            shift = b_new - b_old
-            log_u = log_u + (shift / tau - shift)
-        log_u_new = moving_average_log(log_u, log_g, gamma, set_first)
-
-        log_nu = math.log(num_samples - 1)
-        log_den = log_u_new if xi is None else torch.logaddexp(log_u_new, -xi / tau - log_nu)
+        log_u_new = updated_log_u(log_u, log_g, b_old, b_new, tau=tau, gamma=gamma, set_first=set_first,
+                                  code_rescale=code_rescale)  # fmt: skip
+        log_den, log_den_zeta = log_denominators(log_u_new, xi, zeta, tau=tau, num_samples=num_samples)
         coef = (exponents - log_den.unsqueeze(1)).exp().masked_fill(eye, 0.0) / (size * (size - 1))
 
         zeta_target = None
         if zeta is not None:
-            log_den_zeta = torch.logaddexp(log_u_new, -zeta / tau - log_nu)
             log_sum = torch.logsumexp(exponents - log_den_zeta.unsqueeze(1), dim=0)  # over anchors i
-            zeta_target = 1.0 - (log_sum + math.log(num_samples) - log_nu - math.log(size)).exp()
+            zeta_target = zeta_target_from(log_sum, num_samples=num_samples, size=size)
         objective = objective_estimate(log_g, zeta, tau=tau, num_samples=num_samples)
     return DirectionStep(coef, log_u_new, log_g, b_new, zeta_target, objective)
+
+
+def updated_log_u(
+    log_u, log_g, b_old, b_new, *, tau: float, gamma: float, set_first, code_rescale: bool
+) -> Tensor:
+    """[B] log u after the moving average (with the code's rescaling of u_old when ``code_rescale``)."""
+    if code_rescale:
+        shift = b_new - b_old
+        log_u = log_u + (shift / tau - shift)
+    return moving_average_log(log_u, log_g, gamma, set_first)
+
+
+def log_denominators(log_u_new, xi, zeta, *, tau: float, num_samples: int) -> tuple[Tensor, Tensor | None]:
+    """[B] log(u_i + exp(−ξ/τ)/ν) (log u_i for SogCLR) and, with ζ, [B] log(u_i + exp(−ζ_i/τ)/ν)."""
+    log_nu = math.log(num_samples - 1)
+    log_den = log_u_new if xi is None else torch.logaddexp(log_u_new, -xi / tau - log_nu)
+    log_den_zeta = None if zeta is None else torch.logaddexp(log_u_new, -zeta / tau - log_nu)
+    return log_den, log_den_zeta
+
+
+def zeta_target_from(log_sum: Tensor, *, num_samples: int, size: int) -> Tensor:
+    """z*_j = 1 − (n/ν)(1/B)·exp(log_sum_j), log_sum_j the lse over anchors of the ζ ratios."""
+    return 1.0 - (log_sum + math.log(num_samples) - math.log(num_samples - 1) - math.log(size)).exp()
 
 
 def objective_estimate(log_g: Tensor, zeta: Tensor | None, *, tau: float, num_samples: int) -> Tensor:
@@ -338,6 +357,71 @@ class CompositionalContrastive(nn.Module):
             metrics["zeta_lr"] = base_lr
         loss = objective.to(surrogate.dtype) + surrogate - surrogate.detach()
         return LossOutput(loss, metrics)
+
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same step from two sweeps of row/column reductions (``loss.tiled``;
+        :mod:`clipkit.plugins.losses.nuclr_tiled`): state, value and gradient as :meth:`forward`."""
+        from clipkit.plugins.losses import nuclr_tiled
+
+        index = ctx.index
+        _validate_tiled_batch(logits, index, self.num_samples)
+        epoch = batch_epoch(float(ctx.epoch))
+        if self.learn_popularity and self.xi_update == "epoch":
+            self._refresh_xi(epoch)
+        update_zeta = self.learn_popularity and epoch >= self.freeze_epochs
+        base_lr = self.zeta_lr_at(epoch) if self.learn_popularity else 0.0
+        positive = logits.positives("i2t")  # [B] L_ii: both directions' positives (the diagonal)
+        work, size = torch.promote_types(positive.dtype, self.log_u.dtype), positive.shape[0]
+        zetas = {name: self.zeta[d, index].to(work) if self.learn_popularity else None
+                 for d, name in enumerate(DIRECTIONS)}  # fmt: skip
+        first = nuclr_tiled.first_sweep(self, logits, zetas)
+        anchors, rows = {}, {}
+        for d, name in enumerate(DIRECTIONS):
+            anchors[name] = self._tiled_rows(d, index, positive.detach().to(work), *first[name])
+            xi = self.xi[d].to(work) if self.learn_popularity else None
+            rows[name] = log_denominators(anchors[name][1], xi, zetas[name], tau=self.tau,
+                                          num_samples=self.num_samples)  # fmt: skip
+        second = nuclr_tiled.second_sweep(self, logits, positive, zetas, rows)
+        surrogate = positive.new_zeros(())
+        objective = torch.zeros((), dtype=work, device=positive.device)
+        metrics: dict[str, Tensor | float] = {}
+        for d, name in enumerate(DIRECTIONS):
+            row_sums, log_sum = second[name]
+            log_g, log_u_new, b_new = anchors[name]
+            coef_sums = nuclr_tiled.row_coefficient_sums(log_g, rows[name][0], size).to(positive.dtype)
+            surrogate = surrogate + row_sums.sum() - self.tau * (positive * coef_sums).sum()
+            zeta_target = None
+            if log_sum is not None:
+                zeta_target = zeta_target_from(log_sum.to(work), num_samples=self.num_samples, size=size)
+            step_objective = objective_estimate(
+                log_g, zetas[name], tau=self.tau, num_samples=self.num_samples
+            )
+            step = DirectionStep(None, log_u_new, log_g, b_new, zeta_target, step_objective)
+            direction_objective = step_objective
+            if self.learn_popularity:
+                direction_objective = direction_objective + self.zeta[d].to(work).mean()
+            objective = objective + direction_objective
+            self._write_state(d, index, step, base_lr if update_zeta else None)
+            metrics.update(self._metrics(d, name, index, direction_objective))
+        metrics["objective"] = objective
+        metrics["surrogate"] = surrogate.detach()
+        if self.learn_popularity:
+            metrics["zeta_lr"] = base_lr
+        loss = objective.to(surrogate.dtype) + surrogate - surrogate.detach()
+        return LossOutput(loss, metrics)
+
+    def _tiled_rows(self, d: int, index: Tensor, positive: Tensor, negative_lse: Tensor, row_max: Tensor):
+        """(log g, log u_new, b_new) [B] of direction d from the first sweep (detached)."""
+        work = positive.dtype
+        size = positive.shape[0]
+        log_g = negative_lse.to(work) - positive - math.log(size - 1)
+        b_old = self.b[d, index].to(work)
+        b_new = torch.maximum(b_old, self.tau * (row_max.to(work) - positive))
+        set_first = ~self.visited[d, index] if self.first_visit == "set" else None
+        log_u_new = updated_log_u(self.log_u[d, index].to(work), log_g, b_old, b_new, tau=self.tau,
+                                  gamma=self.gamma, set_first=set_first,
+                                  code_rescale=self.offset_rescale == "code")  # fmt: skip
+        return log_g, log_u_new, b_new
 
     def _step(self, d: int, rows: Tensor, index: Tensor) -> DirectionStep:
         """Direction d's quantities from the current state (nothing written)."""
@@ -558,6 +642,16 @@ def _validate_epochs(epochs: int | None, freeze_epochs: int) -> None:
         )
 
 
+def _validate_tiled_batch(logits: TiledLogits, index: Tensor, num_samples: int) -> None:
+    """The tiled counterpart of :func:`_validate_batch` (the global batch, positives on the diagonal)."""
+    size = logits.num_rows("i2t")
+    if not logits.shared or logits.num_candidates("i2t") != size:
+        raise ValueError("nuclr/sogclr need the full global batch (no train.distributed.local_loss)")
+    if size < 2:
+        raise ValueError(f"the batch needs at least 2 pairs (negatives), got {size}")
+    _validate_index(index, size, num_samples)
+
+
 def _validate_batch(logits: Logits, targets: Tensor, index: Tensor, num_samples: int) -> None:
     size = logits.i2t.shape[0]
     if logits.i2t.shape != (size, size) or logits.t2i.shape != (size, size):
@@ -567,10 +661,14 @@ def _validate_batch(logits: Logits, targets: Tensor, index: Tensor, num_samples:
         )
     if size < 2:
         raise ValueError(f"the batch needs at least 2 pairs (negatives), got {size}")
-    if index.shape != (size,):
-        raise ValueError(f"ctx.index must be [N] = ({size},), got {tuple(index.shape)}")
     if not torch.equal(targets, torch.arange(size, device=targets.device)):
         raise ValueError("nuclr/sogclr need the positives on the diagonal (targets = arange(N))")
+    _validate_index(index, size, num_samples)
+
+
+def _validate_index(index: Tensor, size: int, num_samples: int) -> None:
+    if index.shape != (size,):
+        raise ValueError(f"ctx.index must be [N] = ({size},), got {tuple(index.shape)}")
     if int(index.min()) < 0 or int(index.max()) >= num_samples:
         raise ValueError(
             f"ctx.index must lie in [0, {num_samples}), got [{int(index.min())}, {int(index.max())}]"

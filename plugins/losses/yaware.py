@@ -32,13 +32,15 @@ SimCLR = −ln(2/6) = ln 3; with w = r = e^{−1/2} between samples (RBF, |Δage
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from clipkit.errors import ClipkitError
+from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
 from clipkit.types import Logits, LossContext, LossOutput
 
 SAME_SAMPLE = "same_sample"
@@ -143,6 +145,12 @@ def meta_kernel(
 
 def _rbf(values: Any, key: str, sigma: float) -> Tensor:
     """exp(−‖y_a − y_b‖² / (2σ²)) -> [N, N] float64; numbers [N] or equal-length number lists [N, p]."""
+    y = rbf_values(values, key)
+    return rbf_pairs(y, y, sigma)
+
+
+def rbf_values(values: Any, key: str) -> Tensor:
+    """meta values -> [N, p] float64 (numbers [N] or equal-length number lists), checked finite."""
     try:
         y = torch.as_tensor(values.tolist() if isinstance(values, Tensor) else values, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -153,22 +161,32 @@ def _rbf(values: Any, key: str, sigma: float) -> Tensor:
         y = y.unsqueeze(1)
     if y.dim() != 2 or not torch.isfinite(y).all():
         raise ValueError(f"rbf kernel on meta[{key!r}] needs finite numbers [N] or [N, p], got {values!r}")
+    return y
+
+
+def rbf_pairs(y_a: Tensor, y_b: Tensor, sigma: float) -> Tensor:
+    """[Na, p], [Nb, p] -> [Na, Nb] exp(−‖y_a − y_b‖² / (2σ²))."""
     # Explicit differences rather than ‖a‖² + ‖b‖² − 2ab: exact zeros on the diagonal and no
     # cancellation for large ages with small σ.
-    squared = ((y.unsqueeze(1) - y.unsqueeze(0)) ** 2).sum(-1)
+    squared = ((y_a.unsqueeze(1) - y_b.unsqueeze(0)) ** 2).sum(-1)
     return torch.exp(-squared / (2 * sigma**2))
 
 
 def _delta(values: Any, key: str) -> Tensor:
     """1[y_a == y_b] -> [N, N] float64 on hashable values (lists/tensor rows compared as tuples)."""
+    codes_t = delta_codes(values, key)
+    return (codes_t.unsqueeze(1) == codes_t.unsqueeze(0)).to(torch.float64)
+
+
+def delta_codes(values: Any, key: str) -> Tensor:
+    """meta values -> [N] long codes, equal exactly where the values are equal."""
     items = values.tolist() if isinstance(values, Tensor) else list(values)
     ids: dict[Any, int] = {}
     try:
         codes = [ids.setdefault(tuple(v) if isinstance(v, list) else v, len(ids)) for v in items]
     except TypeError as error:
         raise ValueError(f"delta kernel on meta[{key!r}] needs hashable values: {error}") from error
-    codes_t = torch.tensor(codes)
-    return (codes_t.unsqueeze(1) == codes_t.unsqueeze(0)).to(torch.float64)
+    return torch.tensor(codes)
 
 
 # --------------------------------------------------------------------------- shared view algebra
@@ -297,6 +315,11 @@ class YAwareInfoNCE(_KernelLoss):
         loss = yaware_infonce(views, weights, self.normalisation)
         return LossOutput(loss, {"acc_i2t": _accuracy(logits, targets)})
 
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        """The same loss over the 2N views tile by tile (``loss.tiled``; the target weights come from
+        the kernel per tile): :func:`yaware_infonce_tiled`."""
+        return yaware_infonce_tiled(self, logits, ctx)
+
 
 class SimCLRLoss(YAwareInfoNCE):
     """SimCLR's NT-Xent (METHODS §5 baselines, τ = 0.1 per §11, set in the similarity).
@@ -341,6 +364,10 @@ class SupConLoss(YAwareInfoNCE):
         out = super().__call__(logits, targets, ctx)
         return LossOutput(out.loss * self.factor, out.metrics)
 
+    def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+        out = super().tiled_loss(logits, ctx)
+        return LossOutput(out.loss * self.factor, out.metrics)
+
 
 class ConditionalAlignUniform(_KernelLoss):
     """Conditional alignment + λ · conditional uniformity (METHODS §5, the proposed loss).
@@ -353,6 +380,10 @@ class ConditionalAlignUniform(_KernelLoss):
     kernel: kernel spec; None = RBF on ``age`` with σ = 5.  lam: λ ≥ 0 (1 by default; the paper
     sweeps it).  eps: > 0, lower bound of 1 − Ẑ.
     """
+
+    #: loss.tiled: not implemented yet (its uniformity term is one lse over all 4N² view pairs with
+    #: per-row factors; tileable in principle, like yaware_infonce).
+    tiled_unsupported = "no tiled form yet (conditional uniformity); use loss.tiled=false"
 
     def __init__(self, kernel: list | str | None = None, lam: float = 1.0, eps: float = 1e-6) -> None:
         if not lam >= 0:
@@ -381,6 +412,9 @@ class AlignUniform:
     """
 
     requires: frozenset[str] = frozenset({"features"})
+
+    #: loss.tiled: it reads the pooled features, not the logits (its uniformity is over N² pairs).
+    tiled_unsupported = "it works on the features, not on a similarity's logits"
 
     def __init__(
         self, alpha: float = 2.0, t: float = 2.0, align_weight: float = 1.0, uniform_weight: float = 1.0
@@ -417,3 +451,69 @@ class AlignUniform:
         squared = (squared_norms[rows] + squared_norms[cols] - 2 * gram[rows, cols]).clamp_min(0)
         count = x.new_tensor(float(rows.numel()))
         return torch.logsumexp(-self.t * squared, dim=0) - torch.log(count)
+
+
+# --------------------------------------------------------------------------- tiled form (loss.tiled)
+# Over the 2N views F (TiledLogits.views()), with target weights w_ik = K(y_{i mod N}, y_{k mod N})
+# (0 on self-pairs) computed per tile from the meta-data:
+#     ℓ_i = lse_{k≠i} F_ik − S_i / W_i,   S_i = Σ_{k≠i} w_ik F_ik,   W_i = Σ_{k≠i} w_ik,
+# and the loss is mean_i ℓ_i — the paper's "rows" normalisation, in one sweep. The official code's
+# "code" normalisation divides by column sums of w weighted by each row's lse (two sweeps); it is
+# refused with a message (use the full path).
+
+
+def tile_kernel(meta: Mapping[str, Any], spec, size: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """(rows [tr], cols [tc] view indices in [0, 2N)) -> [tr, tc] float64 sample kernel of their samples."""
+    spec = parse_kernel(spec)
+    if isinstance(spec, str):  # same_sample: SimCLR
+        return lambda rows, cols: ((rows % size).unsqueeze(1) == (cols % size).unsqueeze(0)).double()
+    factors = []
+    for factor in spec:
+        if factor.key not in meta:
+            raise ValueError(
+                f"meta-data key {factor.key!r} required by the kernel is missing; got {sorted(meta)}"
+            )
+        values = meta[factor.key]
+        if len(values) != size:
+            raise ValueError(f"meta[{factor.key!r}] has {len(values)} values, expected {size}")
+        if factor.type == "rbf":
+            factors.append(("rbf", rbf_values(values, factor.key), factor.sigma))
+        else:
+            factors.append(("delta", delta_codes(values, factor.key), None))
+
+    def kernel(rows: Tensor, cols: Tensor) -> Tensor:
+        r, c = (rows % size).cpu(), (cols % size).cpu()
+        out = torch.ones(len(r), len(c), dtype=torch.float64)
+        for kind, values, sigma in factors:
+            if kind == "rbf":
+                out = out * rbf_pairs(values[r], values[c], sigma)
+            else:
+                out = out * (values[r].unsqueeze(1) == values[c].unsqueeze(0)).double()
+        return out.to(rows.device)
+
+    return kernel
+
+
+def yaware_infonce_tiled(loss, logits: TiledLogits, ctx: LossContext) -> LossOutput:
+    """:class:`clipkit.plugins.losses.yaware.YAwareInfoNCE` (and its SimCLR / SupCon forms) from tiles."""
+    if loss.normalisation != "rows":
+        raise ClipkitError(
+            f"loss.tiled: y-Aware's normalisation {loss.normalisation!r} needs two sweeps and is not tiled; "
+            "use normalisation=rows or loss.tiled=false"
+        )
+    size = logits.num_rows("i2t")
+    meta = {} if isinstance(loss.kernel, str) else ctx.meta
+    kernel = tile_kernel(meta, loss.kernel, size)
+    views = logits.views()
+
+    def weights(values: Tensor, tile) -> Tensor:
+        return kernel(tile.rows, tile.cols).to(values.dtype).masked_fill(tile.positive, 0.0)
+
+    lse, weighted, totals = views.reduce(
+        LogSumExp("i2t", exclude_positive=True),
+        RowSum("i2t", lambda values, tile: weights(values, tile) * values),
+        RowSum("i2t", lambda values, tile: weights(values, tile)),
+    )
+    value = (lse - weighted / totals.detach()).mean()
+    (best,) = logits.reduce(ArgMax("i2t"))
+    return LossOutput(value, {"acc_i2t": (best == logits.targets("i2t")).float().mean()})

@@ -13,11 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
+from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
 from clipkit.types import Logits, PointSet
 
 
-class DotSimilarity(nn.Module):
-    """L_ab = s·ū_a·v̄_b (+ c), s = exp(t).
+class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
+    """L_ab = s·ū_a·v̄_b (+ c), s = exp(t). Tileable (``loss.tiled``): a tile is s·E_a·E_bᵀ (+ c).
 
     init_scale:  initial s (CLIP: 1/0.07 ≈ 14.29; SigLIP: 10).
     learn_scale: learn t = log s; otherwise s is a fixed buffer.

@@ -364,6 +364,17 @@ def _triton_applies(a: PointSet, b: PointSet) -> bool:
 MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _point_set(features: tuple[Tensor, ...], normalization: str = "sum") -> PointSet:
+    """The PointSet of :meth:`KMESimilarity.tile_features` rows ([B, 0] weights / mask = None)."""
+    points, weights, mask = features
+    return PointSet(
+        points,
+        None if weights.shape[1] == 0 else weights,
+        None if mask.shape[1] == 0 else mask,
+        normalization,
+    )
+
+
 def _points_as(x: PointSet, dtype: torch.dtype) -> PointSet:
     """The same point set with its points (only) in ``dtype``; differentiable."""
     return PointSet(x.points.to(dtype), x.weights, x.mask, x.weight_normalization)
@@ -441,6 +452,18 @@ class KMESimilarity(nn.Module):
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> None:
         """None: log Σ_ij w_i w'_j k(u_i, v_j) is not a matrix product of fixed-size embeddings."""
         return None
+
+    def tile_features(self, x: PointSet, *, generator: torch.Generator | None = None) -> tuple[Tensor, ...]:
+        """``loss.tiled``: the point sets themselves, (points [B, M, d], weights [B, M] or [B, 0] for
+        None, mask [B, M] or [B, 0] for None); a tile is scored by the block kernels below."""
+        absent = x.points.new_zeros(x.batch_size, 0)
+        weights = absent if x.weights is None else x.weights
+        mask = absent.bool() if x.mask is None else x.mask
+        return x.points, weights, mask
+
+    def score_tile(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor:
+        """The logits [ta, tb] of two tiles of point sets (``forward`` on those rows, METHODS §3)."""
+        return self.forward(_point_set(a), _point_set(b)).i2t
 
     def ensemble(self, x: PointSet, groups: Tensor) -> PointSet:
         """Mean of the prompts' RKHS embeddings = union of their point sets, weights / K_g.

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from clipkit.plugins.similarities.dot import DotSimilarity
+from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
 from clipkit.types import Logits, PointSet
 
 KERNELS = ("gaussian", "imq")
@@ -40,7 +41,7 @@ def _logit_scale(init_scale: float, learn_scale: bool, max_scale: float | None) 
     return DotSimilarity(init_scale=init_scale, learn_scale=learn_scale, max_scale=max_scale)
 
 
-class WPSESimilarity(nn.Module):
+class WPSESimilarity(ScaledEmbeddingTiles, nn.Module):
     """WPSE, METHODS.md §2: L_ab = s·(α1·ū_a·v̄_b + α2·z̄_a·z̄_b), s = exp(t) learnable and clamped.
 
     embed_dim:    d, the dimension of the points (passed by the host; ω is [d, D]).
@@ -262,7 +263,7 @@ class _PooledRandomFeatures(torch.autograd.Function):
         return grad_points, grad_weights, None, None
 
 
-class CosineMeanSimilarity(nn.Module):
+class CosineMeanSimilarity(ScaledEmbeddingTiles, nn.Module):
     """The `cossim∘mean` ablation of METHODS.md §2: L_ab = s·cos(ū_a, v̄_b), s = exp(t) as ``dot``.
 
     Same point-set encoders as WPSE; the weighted point means are compared by cosine, i.e. ``dot``

@@ -1,0 +1,118 @@
+"""The plugin side of tiling: which similarities and losses have a tiled form, and the call that
+scores a batch with one.
+
+A similarity is *tileable* when it declares (clipkit.types.OPTIONAL_MEMBERS)
+
+    tile_features(x: PointSet, *, generator) -> tuple[Tensor, ...]   each [B, ...], rows = the sets
+    score_tile(a_features, b_features) -> Tensor [ta, tb]             the logits of those rows
+    score_pairs(a_features, b_features) -> Tensor [n]   (optional)   row-aligned pairs' logits
+
+with ``score_tile(tile_features(a), tile_features(b))`` equal to ``forward(a, b).i2t``. A loss is
+tileable when it declares ``tiled_loss(logits: TiledLogits, ctx) -> LossOutput`` equal to its
+``__call__`` on the full logits. Either may instead declare ``tiled_unsupported = "why"``; the
+host then refuses ``loss.tiled: true`` with that reason (``auto`` falls back to the full path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from clipkit.tiled.logits import TiledLogits, global_logits, local_logits
+from clipkit.types import LossContext, LossOutput, PointSet, optional_member
+
+
+def _name(plugin: Any) -> str:
+    return plugin.__name__ if isinstance(plugin, type) else type(plugin).__name__
+
+
+def similarity_refusal(similarity: Any) -> str | None:
+    """Why ``similarity`` cannot be scored tile by tile, or None when it can."""
+    reason = optional_member(similarity, "tiled_unsupported")
+    if reason:
+        return f"the similarity {_name(similarity)} has no tiled form: {reason}"
+    missing = [m for m in ("tile_features", "score_tile") if optional_member(similarity, m) is None]
+    if missing:
+        return f"the similarity {_name(similarity)} does not declare {' and '.join(missing)}"
+    return None
+
+
+def loss_refusal(loss: Any) -> str | None:
+    """Why ``loss`` cannot run on tiled logits, or None when it can."""
+    reason = optional_member(loss, "tiled_unsupported")
+    if reason:
+        return f"the loss {_name(loss)} has no tiled form: {reason}"
+    if optional_member(loss, "tiled_loss") is None:
+        return f"the loss {_name(loss)} does not declare tiled_loss"
+    return None
+
+
+def refusal(loss: Any, similarity: Any) -> str | None:
+    """The first reason the pair cannot be tiled, or None."""
+    return similarity_refusal(similarity) or loss_refusal(loss)
+
+
+def _scorers(similarity: Any):
+    parameters = similarity.parameters() if hasattr(similarity, "parameters") else ()
+    parameters = [p for p in parameters if p.requires_grad]
+    return similarity.score_tile, optional_member(similarity, "score_pairs"), parameters
+
+
+def _features(similarity: Any, x: PointSet, generator_for) -> tuple:
+    """The similarity's tile features of ``x``, from a fresh generator (the same draw each call)."""
+    return tuple(similarity.tile_features(x, generator=None if generator_for is None else generator_for()))
+
+
+def tiled_global_loss(
+    loss: Any,
+    similarity: Any,
+    a: PointSet,
+    b: PointSet,
+    ctx: LossContext,
+    *,
+    tile_size: int,
+    generator_for=None,
+) -> LossOutput:
+    """The loss of every anchor against every candidate of the batch (a, b [N, M, d]), tiled.
+
+    generator_for: () -> a fresh generator, identically seeded on each call (random-feature
+    similarities draw the same features for both sides).
+    """
+    score, pairs, parameters = _scorers(similarity)
+    features_a, features_b = _features(similarity, a, generator_for), _features(similarity, b, generator_for)
+    targets = torch.arange(a.batch_size, device=a.points.device)
+    logits = global_logits(score, features_a, features_b, targets, parameters, tile_size, pairs)
+    return loss.tiled_loss(logits, ctx)
+
+
+def tiled_local_loss(
+    loss: Any,
+    similarity: Any,
+    local_a: PointSet,
+    b: PointSet,
+    a: PointSet,
+    local_b: PointSet,
+    offset: int,
+    ctx: LossContext,
+    *,
+    tile_size: int,
+    generator_for=None,
+) -> LossOutput:
+    """This process's anchors (local_a, local_b [n, M, d]) against the gathered batch (a, b [N, M, d]);
+    their positives are candidates offset .. offset + n − 1."""
+    score, pairs, parameters = _scorers(similarity)
+    sides = [_features(similarity, x, generator_for) for x in (local_a, b, a, local_b)]
+    targets = offset + torch.arange(local_a.batch_size, device=local_a.points.device)
+    logits = local_logits(score, *sides, targets, parameters, tile_size, pairs)
+    return loss.tiled_loss(logits, ctx)
+
+
+__all__ = [
+    "TiledLogits",
+    "loss_refusal",
+    "refusal",
+    "similarity_refusal",
+    "tiled_global_loss",
+    "tiled_local_loss",
+]
