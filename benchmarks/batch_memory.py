@@ -40,9 +40,10 @@ FULL_BYTES_PER_LOGIT = 24
 def build(pair: str, dim: int):
     """(similarity, loss, points per set) for ``pair``."""
     from clipkit.plugins.losses.baseline_losses import SigLIPLoss
-    from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity
+    from clipkit.plugins.losses.cloob import CLOOBLoss
     from clipkit.plugins.losses.infonce import InfoNCE
     from clipkit.plugins.similarities.dot import DotSimilarity
+    from clipkit.plugins.similarities.hopfield import HopfieldSimilarity
     from clipkit.plugins.similarities.kme import KMESimilarity
     from clipkit.plugins.similarities.wpse import WPSESimilarity
 

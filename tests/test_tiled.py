@@ -15,11 +15,12 @@ from clipkit.plugins.losses.baseline_losses import (
     DecoupledContrastiveLoss,
     SigLIPLoss,
 )
-from clipkit.plugins.losses.cloob import CLOOBLoss, HopfieldSimilarity, InfoLOOB
+from clipkit.plugins.losses.cloob import CLOOBLoss, InfoLOOB
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss
 from clipkit.plugins.losses.yaware import SimCLRLoss, SupConLoss, YAwareInfoNCE
 from clipkit.plugins.similarities.dot import DotSimilarity
+from clipkit.plugins.similarities.hopfield import HopfieldSimilarity
 from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
 from clipkit.testing import check_tiled, full_context, random_points
