@@ -28,6 +28,7 @@ import collections
 import itertools
 import json
 import random
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -242,6 +243,14 @@ class EpochDataset(torch.utils.data.IterableDataset):
         return index
 
 
+def metric_label(position: int, name: str) -> str:
+    """A tracker-safe metric name for source ``position`` shown as ``name`` (a path or URL):
+    trackers treat metric names as file paths (MLflow refuses ``//``, ``:`` or ``..`` in them), so
+    only letters, digits, ``_ . -`` are kept, after the source's position in the list."""
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_.")
+    return f"{position}-{label[-60:]}" if label else str(position)
+
+
 def source_counts(records) -> dict[int, int]:
     return dict(collections.Counter(int(record.get("__source__", 0)) for record in records))
 
@@ -368,7 +377,11 @@ class BatchStream:
 
     def metrics(self) -> dict[str, float]:
         """Samples this process took from each source, and shards it skipped by reason, so far."""
-        found = {f"data/samples/{name}": float(count) for name, count in self.samples_seen.items()}
+        found = {
+            f"data/samples/{metric_label(self.source_names.index(name), name)}": float(count)
+            for name, count in self.samples_seen.items()
+            if name in self.source_names
+        }
         found.update(
             {f"data/skipped/{reason}": float(count) for reason, count in self.shards_skipped.items()}
         )
