@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -336,3 +342,46 @@ def test_processes_share_an_epoch_of_a_streamed_set_without_overlap(shards, serv
         ranked = stream(spec, num_samples=0 if counted else 96, rank=rank, world_size=2, shuffle_buffer=0)
         seen += torch.cat([b["index"] for b in take(ranked, 6)]).tolist()  # 96 / 2 / 8 batches each
     assert sorted(seen) == list(range(96))
+
+
+@pytest.mark.slow
+def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, server, tmp_path):
+    """kill -9 of a `clipkit train` process streaming a mixture (HTTP + pipe:) once a checkpoint
+    exists, then --resume: the same weights, optimiser state and data position as a run never
+    killed (SIGTERM is covered above; here no handler runs at all)."""
+    from test_graceful_stop import assert_same_weights, newest
+    from test_runtime import newest_step
+
+    mixture = json.dumps(
+        [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2},
+         {"shards": f"pipe:cat {shards}/{BRACES}", "num_samples": 96}]
+    )  # fmt: skip
+    overrides = ["train.steps=30", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
+                 "eval=[]", f"data.mixture={mixture}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def command(run_dir: Path, *extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "clipkit",
+            "train",
+            "quickstart@smoke",
+            *extra,
+            "--run-dir",
+            str(run_dir),
+        ]
+
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(command(full, *overrides), env=env, check=True, capture_output=True)
+    process = subprocess.Popen(
+        command(killed, *overrides), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    while newest_step(killed) < 4 and process.poll() is None:  # ends on its own at worst (no clock)
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the kill should land before the 30-step run ends"
+    subprocess.run(command(killed, "--resume"), env=env, check=True, capture_output=True)
+    assert_same_weights(newest(killed), newest(full))
