@@ -75,6 +75,7 @@ def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
         step=step,
         loss=loss,
         stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
+        tiling=None,  # the full N×N path (tests/distributed/tiled_equivalence.py covers the tiled one)
     )
     share = BATCH // rt.world_size
     rows = slice(rt.rank * share, (rt.rank + 1) * share)  # this process's rows of the global batch

@@ -23,8 +23,8 @@ from clipkit.recipe import DistributedConfig, load_recipe
 from clipkit.registry import default_registry
 from clipkit.tiled.settings import Tiling
 from clipkit.train.accumulate import accumulate_exactly
-from clipkit.train.objective import contrastive_loss, forward_loss
-from clipkit.train.runtime import Runtime, seed_everything
+from clipkit.train.runtime import BatchPlan, Runtime, seed_everything
+from clipkit.train.step import TrainingStep
 
 TILE = 3  # does not divide the batch of 8 (nor a process's 4 rows)
 CASES = [  # (loss, local_loss, micro-batch size: 0 = the process's whole share, tiled)
@@ -41,36 +41,38 @@ CASES = [  # (loss, local_loss, micro-batch size: 0 = the process's whole share,
 ]
 
 
-def run_case(rt, model, registry, batch, case) -> dict:
+def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
+    """``model``: the plain model; ``training_step``: its TrainingStep; ``step``: that as wrapped."""
     loss_name, local, micro, tiled = case
     rt.config = replace(rt.config, gather_with_grad=True, local_loss=local)
-    rt.micro_batch_size = micro or rt.local_batch_size
+    rt.plan = BatchPlan.split(rt.plan.global_size, micro, rt.world_size)
     loss = build_slot(registry, "loss", LOSSES[loss_name], "loss", num_samples=BATCH, total_steps=10)
     trainer = SimpleNamespace(
         runtime=rt,
         model=model,
+        step=step,
         loss=loss,
         stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
         tiling=Tiling("true" if tiled else "false", TILE),
     )
-    rows = rt.local_rows(BATCH // rt.world_size)
+    share = BATCH // rt.world_size
+    rows = slice(rt.rank * share, (rt.rank + 1) * share)  # this process's rows of the global batch
     local_batch = {
         key: (value[rows] if isinstance(value, torch.Tensor) else value) for key, value in batch.items()
     }
+    training_step.trainer = trainer
     model.zero_grad(set_to_none=True)
-    if rt.micro_batches > 1:
+    if rt.plan.micro_batches > 1:
         out, _ = accumulate_exactly(trainer, local_batch, 0)
         value = out.loss.detach().clone()
     else:
-        step = lambda a, b: contrastive_loss(trainer, a, b, local_batch, step=0)  # noqa: E731
-        total, out = forward_loss(trainer, local_batch, step)
+        total, out = step(local_batch, 0)
         total.backward()
         value = total.detach().clone()
     if rt.world_size > 1:  # local losses differ per process; their mean is the full-batch loss
         dist.all_reduce(value)
         value /= rt.world_size
-    named = rt.unwrap(model).named_parameters()
-    grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return {"loss": float(value), "grads": grads}
 
 
@@ -82,8 +84,9 @@ def main(out: Path) -> None:
     model = build_model(recipe, registry)
     batch = fixed_batch(model.tokenizer, recipe["model"]["image_size"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    model, _ = rt.prepare(model, optimizer)
-    results = {case: run_case(rt, model, registry, batch, case) for case in CASES}
+    training_step = TrainingStep(model)
+    step, _ = rt.prepare(training_step, optimizer)
+    results = {case: run_case(rt, model, training_step, step, registry, batch, case) for case in CASES}
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(results, out / f"tiled-{rt.world_size}.pt")
