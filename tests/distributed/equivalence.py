@@ -61,8 +61,9 @@ def fixed_batch(tokenizer, image_size: int) -> dict:
     }
 
 
-def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
-    """``model``: the plain model; ``training_step``: its TrainingStep; ``step``: that as wrapped."""
+def run_case(rt, model, training_step, step, registry, batch, case, tiling=None) -> dict:
+    """``model``: the plain model; ``training_step``: its TrainingStep; ``step``: that as wrapped;
+    ``tiling``: a clipkit.tiled.settings.Tiling (None: the full N×N path)."""
     loss_name, with_grad, local, micro = case
     rt.config = replace(rt.config, gather_with_grad=with_grad, local_loss=local)
     rt.plan = BatchPlan.split(rt.plan.global_size, micro, rt.world_size)
@@ -75,7 +76,7 @@ def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
         step=step,
         loss=loss,
         stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
-        tiling=None,  # the full N×N path (tests/distributed/tiled_equivalence.py covers the tiled one)
+        tiling=tiling,
     )
     share = BATCH // rt.world_size
     rows = slice(rt.rank * share, (rt.rank + 1) * share)  # this process's rows of the global batch
@@ -103,7 +104,8 @@ def run_case(rt, model, training_step, step, registry, batch, case) -> dict:
     return {"loss": float(value), "grads": grads, "state": states}
 
 
-def main(out: Path) -> None:
+def setup():
+    """(runtime, plain model, its TrainingStep, that as prepared, registry, the fixed global batch)."""
     registry = default_registry()
     recipe = load_recipe("quickstart@smoke", [], registry=registry)
     rt = Runtime(seed=0, distributed=DistributedConfig(), global_batch_size=BATCH)
@@ -113,7 +115,12 @@ def main(out: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     training_step = TrainingStep(model)
     step, _ = rt.prepare(training_step, optimizer)
-    results = {case: run_case(rt, model, training_step, step, registry, batch, case) for case in CASES}
+    return rt, model, training_step, step, registry, batch
+
+
+def main(out: Path) -> None:
+    rt, *rest = setup()
+    results = {case: run_case(rt, *rest, case) for case in CASES}
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(results, out / f"result-{rt.world_size}.pt")
