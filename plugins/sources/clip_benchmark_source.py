@@ -22,7 +22,6 @@ written as clipkit's ``{}``), so ``zero_shot`` needs no other argument;
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -31,7 +30,7 @@ from clipkit.errors import DataError
 from clipkit.eval.clip_benchmark import benchmark_name
 from clipkit.types import Sample
 
-from .dataset_sources import BadRow, WebDatasetSource, field_text, make_sample, record_parts, tar_records
+from .dataset_sources import BadRow, WebDatasetSource, field_text, make_sample, record_parts
 
 SCHEME = "wds:"
 CLASSNAMES = "classnames.txt"
@@ -106,12 +105,6 @@ class ClipBenchmarkSource(WebDatasetSource):
         self.classes = read_lines(root / CLASSNAMES)
         templates = read_lines(root / TEMPLATES)
         self.templates = [clipkit_template(t, str(root / TEMPLATES)) for t in templates or []]
-
-    def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
-        for shard in self.shards:
-            for key, fields in tar_records(shard):
-                where = f"{shard}: {key}"
-                yield where, lambda k=key, w=where, f=fields: self.build(k, w, f)
 
     def build(self, key: str, where: str, fields: dict[str, bytes] | BadRow) -> Sample:
         if isinstance(fields, BadRow):
