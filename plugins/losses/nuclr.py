@@ -345,18 +345,9 @@ class CompositionalContrastive(nn.Module):
             step = self._step(d, rows.detach().to(work), index)
             margins = self.tau * (rows - rows.diagonal().unsqueeze(1))  # Σ_ij, with gradient
             surrogate = surrogate + (step.coef.to(rows.dtype) * margins).sum()
-            direction_objective = step.objective
-            if self.learn_popularity:
-                direction_objective = direction_objective + self.zeta[d].to(work).mean()
-            objective = objective + direction_objective
-            self._write_state(d, index, step, base_lr if update_zeta else None)
-            metrics.update(self._metrics(d, name, index, direction_objective))
-        metrics["objective"] = objective
-        metrics["surrogate"] = surrogate.detach()
-        if self.learn_popularity:
-            metrics["zeta_lr"] = base_lr
-        loss = objective.to(surrogate.dtype) + surrogate - surrogate.detach()
-        return LossOutput(loss, metrics)
+            objective = objective + self._commit_direction(d, name, index, step, work, metrics,
+                                                           base_lr if update_zeta else None)  # fmt: skip
+        return self._output(objective, surrogate, metrics, base_lr)
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
         """The same step from two sweeps of row/column reductions (``loss.tiled``;
@@ -397,12 +388,23 @@ class CompositionalContrastive(nn.Module):
                 log_g, zetas[name], tau=self.tau, num_samples=self.num_samples
             )
             step = DirectionStep(None, log_u_new, log_g, b_new, zeta_target, step_objective)
-            direction_objective = step_objective
-            if self.learn_popularity:
-                direction_objective = direction_objective + self.zeta[d].to(work).mean()
-            objective = objective + direction_objective
-            self._write_state(d, index, step, base_lr if update_zeta else None)
-            metrics.update(self._metrics(d, name, index, direction_objective))
+            objective = objective + self._commit_direction(d, name, index, step, work, metrics,
+                                                           base_lr if update_zeta else None)  # fmt: skip
+        return self._output(objective, surrogate, metrics, base_lr)
+
+    def _commit_direction(self, d, name, index, step, work, metrics, zeta_lr) -> Tensor:
+        """Write direction ``d``'s new state (ζ only when ``zeta_lr`` is not None), log its metrics,
+        and return its objective (with mean ζ when ζ is learned), for :meth:`forward` and
+        :meth:`tiled_loss` alike."""
+        direction_objective = step.objective
+        if self.learn_popularity:
+            direction_objective = direction_objective + self.zeta[d].to(work).mean()
+        self._write_state(d, index, step, zeta_lr)
+        metrics.update(self._metrics(d, name, index, direction_objective))
+        return direction_objective
+
+    def _output(self, objective, surrogate, metrics, base_lr) -> LossOutput:
+        """The loss: the objective's value with the surrogate's gradient (see the module docs)."""
         metrics["objective"] = objective
         metrics["surrogate"] = surrogate.detach()
         if self.learn_popularity:
