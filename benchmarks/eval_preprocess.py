@@ -72,9 +72,17 @@ def main() -> None:
                 rows[name](data)
             if round_index:  # round 0 warms up
                 times[name].append((time.process_time() - start) / len(images) * 1000)
-    print(f"{len(images)} {origin}, S = {args.size}, {args.repeats} rounds, ms CPU per image (median, min)")
+    print(
+        f"{len(images)} {origin}, S = {args.size}, {args.repeats} rounds, ms CPU per image (median, min–max)"
+    )
     for name, values in times.items():
-        print(f"  {name:28s} {statistics.median(values):6.2f}  {min(values):6.2f}")
+        print(f"  {name:28s} {statistics.median(values):6.2f}  {min(values):6.2f}–{max(values):.2f}")
+    exact, fast = times.values()
+    ratios = [e / f for e, f in zip(exact, fast, strict=True)]  # per round: both rows ran in it
+    print(
+        f"  exact / fast, per round: median {statistics.median(ratios):.2f}, "
+        f"{min(ratios):.2f}–{max(ratios):.2f}"
+    )
 
 
 if __name__ == "__main__":
