@@ -313,8 +313,9 @@ class Similarity(Protocol):
             then reports mean ± std over feature seeds.
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
         tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
-            logits of those rows, score_pairs(fa, fb) -> [n] (optional): the tiled path
-            (``loss.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
+            logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
+            int | None (optional cap on the tile side): the tiled path (``loss.tiled``,
+            :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
     """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
@@ -359,6 +360,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
     "score_tile": None,  # Similarity
     "score_pairs": None,  # Similarity (optional speed-up of the positives)
+    "largest_tile": None,  # Similarity (optional cap on loss.tile_size)
     "tiled_loss": None,  # Loss: tiled path
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
     "projection_module_name": None,  # Encoder

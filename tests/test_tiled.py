@@ -87,6 +87,94 @@ def test_kme_with_masks(loss):
     check_tiled(LOSSES[loss](), SIMILARITIES["kme"](), pair=(a, b), tile_size=4, tolerance=1e-10)
 
 
+@pytest.mark.parametrize(("mx", "my"), [(4, 4), (3, 5), (197, 77), (1, 9)])
+def test_kme_caps_the_tile_at_one_block_of_its_kernels(mx, my):
+    """``largest_tile``: the largest square tile of sets the block-wise kernels score in one block."""
+    from clipkit.plugins.similarities.kme import tile_shape
+
+    def features(points: int) -> tuple:  # (points, no weights, no mask) of 4096 sets: shapes only
+        return torch.zeros(4096, points, 4), torch.zeros(4096, 0), torch.zeros(4096, 0, dtype=torch.bool)
+
+    side = KMESimilarity(implementation="blockwise").largest_tile(features(mx), features(my))
+    assert tile_shape(side, side, mx, my, None) == (side, side)  # one block
+    assert tile_shape(side + 1, side + 1, mx, my, None) != (side + 1, side + 1)  # the largest such
+
+
+def test_kme_tile_cap_follows_block_size_and_skips_one_point_sets():
+    one = (torch.zeros(9, 1, 4), torch.zeros(9, 0), torch.zeros(9, 0, dtype=torch.bool))
+    four = (torch.zeros(9, 4, 4), torch.zeros(9, 0), torch.zeros(9, 0, dtype=torch.bool))
+    assert KMESimilarity(implementation="blockwise").largest_tile(one, one) is None  # no recompute to spare
+    assert KMESimilarity(block_size=3, implementation="blockwise").largest_tile(four, four) == 3
+
+
+def test_kme_tiled_equals_full_where_the_cap_bites():
+    """block_size 3 caps loss.tile_size 8 at 3: ragged engine tiles of one kernel block each."""
+    similarity = KMESimilarity(init_gamma=4.0, block_size=3, implementation="blockwise")
+    for loss in ("infonce", "siglip"):
+        check_tiled(LOSSES[loss](), similarity, batch=13, tile_size=8, weighted=True, tolerance=1e-10)
+
+
+def test_kme_score_pairs_is_the_diagonal_with_empty_sets_and_chunks(monkeypatch):
+    """The positives (``score_pairs``) equal the diagonal of the full logits, value and gradient, with a
+    set that has no real point (−inf, zero gradient) and chunks smaller than the batch."""
+    from clipkit.plugins.similarities import kme
+
+    monkeypatch.setattr(kme, "TILE_SCORES", 40)  # 40 // (4·4) = 2 rows per recomputed chunk
+    a, b = masked_pair(batch=7)
+    mask = a.mask.clone()
+    mask[3] = False
+    a = PointSet(a.points.double(), a.weights.abs().double() + 0.1, mask, "sum")
+    b = PointSet(b.points.double(), b.weights.abs().double() + 0.1, b.mask, "sum")
+    similarity = KMESimilarity(init_gamma=4.0, implementation="naive").double()
+    values_of, grads = [], []
+    for pairs in (True, False):
+        leaves = [t.detach().requires_grad_() for t in (a.points, a.weights, b.points, b.weights)]
+        pa, pb = PointSet(leaves[0], leaves[1], a.mask, "sum"), PointSet(leaves[2], leaves[3], b.mask, "sum")
+        if pairs:
+            values = similarity.score_pairs(similarity.tile_features(pa), similarity.tile_features(pb))
+        else:
+            values = similarity(pa, pb).i2t.diagonal()
+        assert torch.isneginf(values[3]) and torch.isfinite(values[torch.arange(7) != 3]).all()
+        values[torch.arange(7) != 3].sum().backward()
+        values_of.append(values.detach())
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(*values_of, rtol=1e-12, atol=1e-12)
+    for got, want in zip(*grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_kme_tiled_scores_each_kernel_value_as_often_as_the_full_path(monkeypatch):
+    """Forward once and once more in backward (the full path's recompute), not three times: a tile of
+    one block keeps its exp-scores for the backward."""
+    from clipkit.plugins.similarities import kme
+
+    scored = []
+    original = kme._tile_scores
+
+    def counting(scaled_u, logw_u, v, logw_v, rows, cols, buffer):
+        scores = original(scaled_u, logw_u, v, logw_v, rows, cols, buffer)
+        scored.append(scores.numel())
+        return scores
+
+    monkeypatch.setattr(kme, "_tile_scores", counting)
+    n, points = 40, 4
+    a, b = (random_points(n, points, 8, weighted=True, seed=s) for s in (1, 2))
+    counts = {}
+    for tiled in (False, True):
+        scored.clear()
+        similarity = KMESimilarity(init_gamma=4.0, block_size=16, implementation="blockwise")
+        if tiled:
+            out = tiled_global_loss(
+                InfoNCE(), similarity, a, b, full_context(n, frozenset(), a, b), tile_size=64
+            )
+        else:
+            out = InfoNCE()(similarity(a, b), torch.arange(n), full_context(n, frozenset(), a, b))
+        out.loss.backward()
+        counts[tiled] = sum(scored)
+    assert counts[False] == counts[True] == 2 * n * n * points * points
+
+
 @pytest.mark.parametrize("loss", ["infonce", "siglip"])
 def test_masks_and_signed_weights(loss):
     similarity = WPSESimilarity(embed_dim=8, kernel="imq", num_features=12, init_scale=3.0)

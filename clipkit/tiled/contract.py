@@ -6,6 +6,7 @@ A similarity is *tileable* when it declares (clipkit.types.OPTIONAL_MEMBERS)
     tile_features(x: PointSet, *, generator) -> tuple[Tensor, ...]   each [B, ...], rows = the sets
     score_tile(a_features, b_features) -> Tensor [ta, tb]             the logits of those rows
     score_pairs(a_features, b_features) -> Tensor [n]   (optional)   row-aligned pairs' logits
+    largest_tile(a_features, b_features) -> int | None  (optional)   a cap on the tile side
 
 with ``score_tile(tile_features(a), tile_features(b))`` equal to ``forward(a, b).i2t``. A loss is
 tileable when it declares ``tiled_loss(logits: TiledLogits, ctx) -> LossOutput`` equal to its
@@ -59,6 +60,15 @@ def _scorers(similarity: Any):
     return similarity.score_tile, optional_member(similarity, "score_pairs"), parameters
 
 
+def _tile_size(similarity: Any, features_a: tuple, features_b: tuple, tile_size: int) -> int:
+    """``loss.tile_size``, capped by the similarity's ``largest_tile`` when it declares one (KME: the
+    largest tile its block kernels score in one pass, whose kept scores spare the backward a
+    recompute)."""
+    largest = optional_member(similarity, "largest_tile")
+    cap = None if largest is None else largest(features_a, features_b)
+    return tile_size if cap is None else max(1, min(tile_size, int(cap)))
+
+
 def _features(similarity: Any, x: PointSet, generator_for) -> tuple:
     """The similarity's tile features of ``x``, from a fresh generator (the same draw each call)."""
     return tuple(similarity.tile_features(x, generator=None if generator_for is None else generator_for()))
@@ -82,6 +92,7 @@ def tiled_global_loss(
     score, pairs, parameters = _scorers(similarity)
     features_a, features_b = _features(similarity, a, generator_for), _features(similarity, b, generator_for)
     targets = torch.arange(a.batch_size, device=a.points.device)
+    tile_size = _tile_size(similarity, features_a, features_b, tile_size)
     logits = global_logits(score, features_a, features_b, targets, parameters, tile_size, pairs)
     return loss.tiled_loss(logits, ctx)
 
@@ -104,6 +115,7 @@ def tiled_local_loss(
     score, pairs, parameters = _scorers(similarity)
     sides = [_features(similarity, x, generator_for) for x in (local_a, b, a, local_b)]
     targets = offset + torch.arange(local_a.batch_size, device=local_a.points.device)
+    tile_size = _tile_size(similarity, sides[0], sides[1], tile_size)
     logits = local_logits(score, *sides, targets, parameters, tile_size, pairs)
     return loss.tiled_loss(logits, ctx)
 

@@ -34,9 +34,12 @@ s = log(1·e^0 + 3·e^{−2}) = log(1 + 3e^{−2}).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
 from clipkit.types import Logits, PointSet
@@ -106,6 +109,14 @@ def tile_shape(
     rows = max(1, min(num_a, round(scores**0.5 / max(mx, 1))))
     cols = max(1, min(num_b, int(scores // (rows * max(mx, 1) * max(my, 1)))))
     return rows, cols
+
+
+def largest_square_tile(mx: int, my: int, scores: int = TILE_SCORES) -> int:
+    """The largest t with ``tile_shape(t, t, mx, my, None, scores) == (t, t)``: t × t sets in one block."""
+    side = max(1, min(round(scores**0.5 / max(mx, 1)), math.isqrt(scores // max(mx * my, 1))))
+    while side > 1 and tile_shape(side, side, mx, my, None, scores) != (side, side):
+        side -= 1
+    return side
 
 
 def _blocks(n: int, size: int) -> list[slice]:
@@ -342,6 +353,24 @@ def kme_logits_naive(a: PointSet, b: PointSet, gamma: Tensor) -> Tensor:
     return torch.where(empty, float("-inf"), lse) - gamma
 
 
+def kme_pair_logits(a: PointSet, b: PointSet, gamma: Tensor) -> Tensor:
+    """[n] s(a_r, b_r) of row-aligned sets a: [n, Mx, d], b: [n, My, d] (the diagonal of
+    :func:`kme_logits`, same weight and dtype rules; memory O(n·Mx·My))."""
+    if a.batch_size != b.batch_size:
+        raise ValueError(
+            f"row-aligned pairs need as many sets on both sides, got {a.batch_size} and {b.batch_size}"
+        )
+    dtype = _compute_dtype(a, b)
+    gamma = gamma.to(dtype)
+    logw_a, logw_b = log_weights(a, dtype), log_weights(b, dtype)
+    dots = torch.einsum("nmd,nkd->nmk", a.points.to(dtype), b.points.to(dtype))
+    scores = (logw_a[:, :, None] + logw_b[:, None, :] + gamma * dots).flatten(1)
+    empty = torch.isneginf(logw_a).all(dim=1) | torch.isneginf(logw_b).all(dim=1)
+    # A pair with a set without real points: −inf with zero (not NaN) gradient, as kme_logits.
+    lse = torch.logsumexp(torch.where(empty[:, None], torch.zeros_like(scores), scores), dim=1)
+    return torch.where(empty, float("-inf"), lse) - gamma
+
+
 def _triton_applies(a: PointSet, b: PointSet) -> bool:
     """Whether "auto" picks the fused kernels: CUDA points, triton importable, and GEMMs that can use the
     tensor cores: bf16/fp16 points, or fp32 points when torch allows TF32 for fp32 matmuls
@@ -464,6 +493,49 @@ class KMESimilarity(nn.Module):
     def score_tile(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor:
         """The logits [ta, tb] of two tiles of point sets (``forward`` on those rows, METHODS §3)."""
         return self.forward(_point_set(a), _point_set(b)).i2t
+
+    def score_pairs(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor:
+        """``loss.tiled``: the logits [n] of the row-aligned pairs (a_r, b_r) (the positives), in chunks
+        of about :data:`TILE_SCORES` scores that backward recomputes (memory O(chunk), not n·Mx·My)."""
+        pa, pb = _point_set(a), _point_set(b)
+        if self.matmul_dtype != torch.float32:
+            pa, pb = _points_as(pa, self.matmul_dtype), _points_as(pb, self.matmul_dtype)
+        gamma = self.gamma()
+        rows = max(1, TILE_SCORES // max(pa.num_points * pb.num_points, 1))
+        return torch.cat([
+            checkpoint(kme_pair_logits, pa.rows(start, start + rows), pb.rows(start, start + rows), gamma,
+                       use_reentrant=False)
+            for start in range(0, pa.batch_size, rows)
+        ])  # fmt: skip
+
+    def largest_tile(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> int | None:
+        """``loss.tiled``: the largest tile side (sets) the block-wise path scores in one block, or
+        None (no cap) when there is nothing to gain.
+
+        The tiled backward scores each tile again with a graph, then back-propagates through it.
+        When the tile is one block, ``_BlockwiseKME`` keeps that block's exp-scores and its backward
+        skips the recompute GEMM, so a tiled step costs what the full path's does (one forward,
+        one recompute, the two gradient GEMMs); a bigger tile would pay the block kernels' forward
+        twice in backward. One point per set needs no recompute, and the Triton kernels tile
+        themselves: no cap there.
+        """
+        points_a, points_b = a[0], b[0]
+        mx, my = points_a.shape[1], points_b.shape[1]
+        if mx == my == 1 or self._uses_triton(points_a, points_b):
+            return None
+        if self.block_size is not None:
+            return self.block_size
+        return largest_square_tile(mx, my, CUDA_TILE_SCORES if points_a.is_cuda else TILE_SCORES)
+
+    def _uses_triton(self, points_a: Tensor, points_b: Tensor) -> bool:
+        if self.implementation != "auto":
+            return self.implementation == "triton"
+        if not points_a.is_cuda:
+            return False
+        # forward() rounds the points to matmul_dtype before "auto" looks at their dtype.
+        rounded = self.matmul_dtype != torch.float32
+        a, b = (PointSet(p[:1].to(self.matmul_dtype) if rounded else p[:1]) for p in (points_a, points_b))
+        return _triton_applies(a, b)
 
     def ensemble(self, x: PointSet, groups: Tensor) -> PointSet:
         """Mean of the prompts' RKHS embeddings = union of their point sets, weights / K_g.
