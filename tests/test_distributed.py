@@ -41,8 +41,8 @@ def launcher_env() -> dict[str, str]:
     return env
 
 
-def run(command: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = launcher_env()
+def run(command: list[str], cwd: Path, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**launcher_env(), **extra_env}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
@@ -74,7 +74,11 @@ def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     accelerate = Path(sys.executable).parent / "accelerate"
     flags = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     flags += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    return run([str(accelerate), "launch", *flags, "-m", "clipkit", *args], cwd)
+    # Its own extension cache, so a test can see what a launch compiles (nothing: see zero.py).
+    extensions = str(cwd / "torch_extensions")
+    return run(
+        [str(accelerate), "launch", *flags, "-m", "clipkit", *args], cwd, TORCH_EXTENSIONS_DIR=extensions
+    )
 
 
 # ----------------------------------------------------------------------------- DDP == one process
@@ -236,6 +240,8 @@ def test_launch_train_checkpoint_resume_export(shards, strategy):
     assert [row["logit_scale"] for row in logged if "logit_scale" in row] == [100.0] * 4  # clamped
     if strategy == "zero3":
         assert any(key.startswith("eval/") for row in logged for key in row)  # gathered for evaluation
+    # DeepSpeed's CPU inference all-reduce kernel is never compiled (a minute of g++ per environment).
+    assert not list((root / "torch_extensions").rglob("*shm_comm*")), "DeepSpeed compiled its shm kernel"
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero2-accumulated"])

@@ -8,6 +8,7 @@ scaling for fp16): no autocast, and float inputs are cast to the engine's dtype.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,26 @@ from clipkit import install_hint
 from clipkit.errors import ClipkitError
 from clipkit.train.runtime import partitions
 from clipkit.train.runtime.strategy import HALF, StepResult
+
+
+def _skip_the_cpu_inference_kernel() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce kernel on CPU.
+
+    DeepSpeed's communication backend JIT-compiles that C++ kernel (about a minute of g++, and a
+    failure without a compiler) the first time a process group starts on a CPU accelerator, and
+    again for every new environment. Only ``inference_all_reduce`` uses it; training never does, and
+    without it DeepSpeed falls back to ``torch.distributed.all_reduce`` (deepspeed/comm/torch.py).
+    A DeepSpeed without ``build_shm_op`` is left as it is.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    # By module path: ``import deepspeed.comm.torch as x`` binds the attribute ``torch`` of
+    # deepspeed.comm, which is the torch package that module imports, not this submodule.
+    backend = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(backend, "build_shm_op"):
+        backend.build_shm_op = lambda: None
 
 
 class DeepSpeedStrategy:
@@ -50,6 +71,7 @@ class DeepSpeedStrategy:
         warnings.filterwarnings(
             "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
         )
+        _skip_the_cpu_inference_kernel()
         engine, engine_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.config, dist_init_required=False
         )
