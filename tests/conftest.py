@@ -48,3 +48,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+#: Files whose tests are independent and share only cheap module fixtures: under xdist each of
+#: their tests is a unit of its own, so the longest file does not set the suite's time.
+SPLIT_BY_TEST = {"tests/test_recipes_train.py"}
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # pytest-xdist absent: the suite runs in one process, nothing to schedule
+    pass
+else:
+
+    class _FileScheduling(LoadFileScheduling):
+        """``--dist loadfile`` (a file's tests in one worker: module fixtures are made once and a test
+        may read what an earlier test of its file wrote), except the files in SPLIT_BY_TEST."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPLIT_BY_TEST else path
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
