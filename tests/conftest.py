@@ -10,6 +10,21 @@ import pytest
 # Tests never load third-party plugins that happen to be installed unless they ask to.
 os.environ.setdefault("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
 
+
+def _share_the_cores_between_workers() -> None:
+    """Under xdist, each worker's torch (and the processes it starts) gets its share of the usable
+    CPUs, set before torch is imported: two workers with a thread per CPU each would oversubscribe
+    the cores, and OpenMP threads waiting at barriers then burn the CPU time the tests need. A
+    user's own OMP_NUM_THREADS wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
+
+
+_share_the_cores_between_workers()
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
