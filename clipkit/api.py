@@ -9,6 +9,7 @@ Usable from Python too::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,7 +206,23 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
             remedy = "move them away, or set train.export=false (and run clipkit export RUN OUT later)"
             claim_output_directory(Path(run_dir) / "export", EXPORT_OUTPUT, remedy=remedy)
         prepare_run_dir(recipe, run_dir, resume=resume)
-        return _train_locked(recipe, run_dir, registry, progress, started, resume=resume)
+        result = _train_locked(recipe, run_dir, registry, progress, started, resume=resume)
+    _release_launch_objects()
+    return result
+
+
+def _release_launch_objects() -> None:
+    """In a launched process, free the trainer's objects now, while the interpreter is whole.
+
+    The DDP wrapper and its reducer keep the (destroyed) process group's gloo worker threads alive
+    through reference cycles; left to interpreter shutdown, their teardown was seen to abort a rank
+    ("terminate called without an active exception", SIGABRT) after the run had finished and
+    committed its last checkpoint, so the launcher reported a failed run.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import gc
+
+        gc.collect()
 
 
 def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool) -> TrainResult:
