@@ -345,11 +345,13 @@ def kme_logits_naive(a: PointSet, b: PointSet, gamma: Tensor) -> Tensor:
     dots = torch.einsum("amd,bnd->abmn", a.points.to(dtype), b.points.to(dtype))
     scores = (logw_a[:, None, :, None] + logw_b[None, :, None, :] + gamma * dots).flatten(2)
     empty_a, empty_b = (torch.isneginf(logw).all(dim=1) for logw in (logw_a, logw_b))
-    if not (bool(empty_a.any()) or bool(empty_b.any())):
-        return torch.logsumexp(scores, dim=2) - gamma
-    # A pair with a set without real points: −inf with zero (not NaN) gradient, as the fast paths.
-    empty = empty_a[:, None] | empty_b[None, :]
-    lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(scores), scores), dim=2)
+    return _set_logits(scores, empty_a[:, None] | empty_b[None, :], gamma)
+
+
+def _set_logits(scores: Tensor, empty: Tensor, gamma: Tensor) -> Tensor:
+    """[...] lse over the last dim of ``scores`` [..., S] minus γ; a pair with a set without real
+    points (``empty`` [...]) gets −inf with zero (not NaN) gradient, as the fast paths give."""
+    lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(scores), scores), dim=-1)
     return torch.where(empty, float("-inf"), lse) - gamma
 
 
@@ -366,9 +368,7 @@ def kme_pair_logits(a: PointSet, b: PointSet, gamma: Tensor) -> Tensor:
     dots = torch.einsum("nmd,nkd->nmk", a.points.to(dtype), b.points.to(dtype))
     scores = (logw_a[:, :, None] + logw_b[:, None, :] + gamma * dots).flatten(1)
     empty = torch.isneginf(logw_a).all(dim=1) | torch.isneginf(logw_b).all(dim=1)
-    # A pair with a set without real points: −inf with zero (not NaN) gradient, as kme_logits.
-    lse = torch.logsumexp(torch.where(empty[:, None], torch.zeros_like(scores), scores), dim=1)
-    return torch.where(empty, float("-inf"), lse) - gamma
+    return _set_logits(scores, empty, gamma)
 
 
 def _triton_applies(a: PointSet, b: PointSet) -> bool:
