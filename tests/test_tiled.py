@@ -370,7 +370,7 @@ def test_validate_explains_the_knob():
     app = make_app(make_plugin_manager(autoload=False))
     result = CliRunner().invoke(app, ["validate", "clip@tiny", "data.batch_size=65536"])
     assert result.exit_code == 0, result.output
-    assert "# loss.tiled: auto — contrastive batch 65536: tiled, 1024×1024 tiles" in result.output
+    assert "# loss.tiled: auto — contrastive batch 65536: tiled, tiles of at most 1024×1024" in result.output
     assert "the full logits would take 32 GiB" in result.output
     result = CliRunner().invoke(app, ["validate", "cloob@tiny"])
     assert "full N×N logits (the similarity HopfieldSimilarity has no tiled form" in result.output

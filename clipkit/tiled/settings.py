@@ -124,7 +124,8 @@ def explain(recipe: dict, registry, batch_size: int) -> str:
     elif reason is not None:
         verdict = f"full N×N logits ({reason})"
     elif tiling.mode == "true" or batch_size > AUTO_ABOVE:
-        verdict = f"tiled, {tiling.tile_size}×{tiling.tile_size} tiles recomputed in backward (exact)"
+        side = tiling.tile_size  # a similarity may cap it (kme: one block of its kernels)
+        verdict = f"tiled, tiles of at most {side}×{side} recomputed in backward (exact)"
     else:
         verdict = f"full N×N logits (auto tiles above a batch of {AUTO_ABOVE})"
     return (
