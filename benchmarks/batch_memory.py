@@ -1,4 +1,4 @@
-"""Contrastive batch vs memory: the full N×N path against the tiled path (``loss.tiled``).
+"""Contrastive batch vs memory: the full N×N path against the tiled path (``train.tiled``).
 
 For each similarity + loss pair and growing N, similarity + loss forward + backward runs in a fresh
 process (so one point's allocations never flatter the next); rounds are interleaved (every N and

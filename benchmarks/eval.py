@@ -1,7 +1,7 @@
 """Eval throughput: images/s of clipkit's ``zero_shot`` and ``retrieval`` tasks vs a bare loop, same model.
 
 Set-up (untimed): train ``--recipe`` (default ``clip@tiny``) for a few steps on a small synthetic
-shard set, export it (``clipkit.api.export``), load the export (``clipkit.export.load_export``),
+shard set, export it (``clipkit.api.export``), load the export (``clipkit.export_reader.load_export``),
 and write the evaluation images (``synthetic://shapes`` held-out split, ``--images`` of them) as
 shards with ``clipkit.api.shard``, so that every row reads the same PNG files from disk.
 
@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
 def train_and_export(spec: str, steps: int, root: Path, registry):
     """Train ``spec`` briefly on small synthetic shards and export it; returns (model, export dir)."""
     from clipkit import api
-    from clipkit.export import load_export
+    from clipkit.export_reader import load_export
 
     recipe = api.resolve(spec, [], registry)
     source = f"synthetic://shapes?n={int(recipe['data']['batch_size']) * 4}&split=train&image_size=48"

@@ -4,7 +4,8 @@ For each recipe (default ``clip@tiny`` and ``wpse@tiny``) the script builds clip
 (``clipkit.train.build.build_trainer``), reads a few real batches from its loader into memory, and
 then times, on those same in-memory batches:
 
-- clipkit: ``train_loop(trainer)``, with ``trainer.stream`` replaced by :class:`InMemoryStream`
+- clipkit: ``train_loop(trainer)``, with ``trainer.stream`` replaced by
+  :class:`clipkit.data.memory.InMemoryStream`
   (data loading is excluded, and identical for both loops);
 - bare: a plain loop on a deep copy of the same model (same weights, same modules): towers ->
   the model's similarity -> cross-entropy both ways -> ``backward`` -> ``torch.optim.AdamW``
@@ -63,30 +64,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class InMemoryStream:
-    """Stands in for ``trainer.stream`` (a ``BatchStream``): cycles over batches already in memory
-    and keeps the attributes ``train_loop`` reads (``epoch``, ``batch_in_epoch``, ``num_samples``,
-    ``position()`` for the checkpoint)."""
-
-    def __init__(self, batches: list[dict], batch_size: int) -> None:
-        self.batches = batches
-        self.num_samples = len(batches) * batch_size
-        self.epoch, self.batch_in_epoch = 0, 0
-
-    def __iter__(self):
-        while True:
-            for batch in self.batches:
-                self.batch_in_epoch += 1
-                yield batch
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
-
-    def restore(self, position: dict[str, int]) -> None:
-        self.epoch, self.batch_in_epoch = int(position["epoch"]), int(position["batch_in_epoch"])
-
-
 # --- the two loops: each runner does one run of `steps` steps and returns its clocks() at each step end ---
 
 
@@ -94,13 +71,14 @@ def clipkit_runner(
     trainer, batches: list[dict], batch_size: int
 ) -> Callable[[int], list[tuple[float, float]]]:
     """Runs ``train_loop`` from step 0 to ``train.steps`` on in-memory batches."""
+    from clipkit.data.memory import InMemoryStream
     from clipkit.recipe import section
     from clipkit.train.loop import train_loop
 
     def run(steps: int) -> list[tuple[float, float]]:
         assert section(trainer.recipe, "train").steps == steps
         trainer.start_step = 0
-        trainer.stream = InMemoryStream(batches, batch_size)
+        trainer.stream = InMemoryStream(batches)
         ends = [clocks()]
         train_loop(trainer, progress=lambda done, total, metrics: ends.append(clocks()))
         return ends

@@ -118,7 +118,7 @@ def selected(keys, include: list[str], exclude: list[str]) -> list[str]:
 
 def init_from(model: nn.Module, init: Any, registry) -> list[str]:
     """Copy the source's selected weights into ``model`` (in place); returns the keys copied."""
-    from clipkit.export import load_model
+    from clipkit.export_reader import load_model
 
     options = init_options(init)
     where = f"model.init ({options['path']})"

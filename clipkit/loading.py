@@ -119,7 +119,7 @@ def load(
     activation a bare state dict was trained with, which its tensors cannot say (None: from a
     config beside it or the header clipkit writes, else refused).
     """
-    from clipkit.export import load_model
+    from clipkit.export_reader import load_model
     from clipkit.registry import default_registry
 
     options = {"quick_gelu": quick_gelu}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -112,9 +113,19 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
     train = resolved.get("train")
     if isinstance(train, dict) and train.get("precision") is False:
         train["precision"] = "no"  # YAML 1.1 reads an unquoted `no` (train.precision=no) as false
+    warn_deprecated(resolved)
     resolved["name"] = spec if Path(base_name).suffix not in (".yaml", ".yml") else Path(base_name).stem
     resolved["overrides"] = list(overrides)
     return resolved
+
+
+def warn_deprecated(recipe: dict) -> None:
+    """One line on stderr for each deprecated spelling the recipe uses (it still works this release)."""
+    from clipkit.tiled.settings import deprecation_warning
+
+    line = deprecation_warning(recipe)
+    if line:
+        print(line, file=sys.stderr)
 
 
 def amend_resolved(recipe: dict, extra: list[str], *, kept: list[str], where: str) -> dict:
@@ -450,7 +461,8 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     errors += _check_values(recipe, errors)
     from clipkit.tiled import settings as tiling
 
-    errors += tiling.validation_errors(recipe, registry)
+    typed = {error.partition(":")[0] for error in errors}
+    errors += [e for e in tiling.validation_errors(recipe, registry) if e.partition(":")[0] not in typed]
     return errors
 
 
@@ -474,13 +486,11 @@ def check_slot(config: Any, path: str, kind: str, injected: frozenset[str], regi
     except UnknownNameError as error:
         return [f"{path}.name: {error}"]
     kwargs = {k: v for k, v in config.items() if k != "name"}
-    host_errors = []
-    if kind == "loss":  # loss.tiled / loss.tile_size are the host's (clipkit.tiled.settings)
-        from clipkit.tiled import settings as tiling
+    if kind == "loss":  # the deprecated loss.tiled / loss.tile_size are the host's (clipkit.tiled.settings)
+        from clipkit.tiled.settings import loss_factory_config
 
-        host_errors = tiling.errors(config)
-        kwargs = {k: v for k, v in kwargs.items() if k not in tiling.HOST_KEYS}
-    return host_errors + check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
+        kwargs = loss_factory_config(kwargs)
+    return check_arguments(entry.factory, kwargs, path, f"{kind} {entry.name!r}", injected)
 
 
 def _check_required_tokenizer(recipe: dict, registry: Registry) -> list[str]:

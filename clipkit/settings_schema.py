@@ -32,7 +32,10 @@ from clipkit.constraints import (  # noqa: F401 — re-exported: plugins import 
     annotated_constraints,
     parameter_constraints,
 )
-from clipkit.train.compile import COMPILE_MODES  # torch-free, like this module
+
+#: ``torch.compile`` modes, plus "none" (eager). "reduce-overhead" adds CUDA graphs on GPUs;
+#: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -135,6 +138,10 @@ class TrainConfig:
     # Estimate the run's memory before training; refuse it when it exceeds what the machine has
     # (clipkit.train.memory_fit); false: run anyway
     memory_check: bool = True
+    # The loss tile by tile, exact at bounded memory (clipkit.tiled.settings): auto (above a batch of
+    # 8192, when the similarity and loss have a tiled form) | true | false; rows and columns per tile
+    tiled: bool | str = "auto"
+    tile_size: int = 1024
     distributed: dict = field(default_factory=dict)  # DistributedConfig: strategy, ZeRO, gather semantics
     # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
     # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)

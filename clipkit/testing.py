@@ -9,7 +9,10 @@
         check_loss(my_package.MyLoss())              # shapes, finiteness, gradients, requires
 
     def test_my_loss_tiles():
-        check_tiled(my_package.MyLoss(), DotSimilarity())  # loss.tiled: tiled equals full (float64)
+        check_tiled(my_package.MyLoss(), DotSimilarity())  # train.tiled: tiled equals full (float64)
+
+    def test_my_loss_trains():
+        check_training_step(["loss.name=my_loss"], plugin=my_package.plugin)  # clipkit's own step
 
 Each check raises ``AssertionError`` with a message saying which contract was broken.
 They use small random inputs on CPU and take well under a second.
@@ -204,6 +207,60 @@ def _bare_manager(plugin):
     return pm
 
 
+def check_training_step(
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    plugin=None,
+    recipe: str = "quickstart@smoke",
+    batch_size: int = 8,
+    seed: int = 0,
+) -> LossOutput:
+    """Your plugin inside clipkit's own training step: ``recipe`` (a tiny image–text model) with
+    ``overrides`` (e.g. ``["loss.name=my_loss"]``), built with ``plugin`` registered beside the
+    built-ins, runs one forward and backward of :class:`clipkit.train.step.TrainingStep` — the module
+    the training loop runs — on a seeded in-memory batch of ``batch_size`` samples. Checks that the
+    loss is finite and that every trainable parameter of the towers and the similarity gets a
+    finite gradient; returns the loss's output.
+    """
+    from clipkit.manager import make_plugin_manager
+    from clipkit.model import build_model
+    from clipkit.recipe import load_recipe, validate_or_raise
+    from clipkit.train.objective import build_objective
+    from clipkit.train.step import TrainingStep
+
+    extra = [] if plugin is None else [plugin]
+    registry = Registry(make_plugin_manager(autoload=False, extra_plugins=extra))
+    resolved = load_recipe(recipe, [*overrides, f"data.batch_size={batch_size}"], registry=registry)
+    validate_or_raise(resolved, registry)
+    torch.manual_seed(seed)
+    model = build_model(resolved, registry)
+    step = TrainingStep(model, build_objective(resolved, registry, model, num_samples=batch_size))
+    loss, out = step(synthetic_batch(model, batch_size, int(resolved["model"]["image_size"]), seed), 0, 0.0)
+    assert isinstance(out, LossOutput) and torch.isfinite(loss), f"the step's loss is {loss}"
+    loss.backward()
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if p.grad is None]
+    assert len(missing) < len(trainable), "no trainable parameter got a gradient from the step"
+    bad = [name for name, p in trainable if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad, f"non-finite gradients: {bad[:5]}"
+    return out
+
+
+def synthetic_batch(model, batch_size: int, image_size: int, seed: int = 0) -> dict:
+    """A seeded batch as the loader yields it: ``image`` [B, 3, S, S], ``text`` [B, L] tokens of
+    made-up captions (the model's tokenizer), ``index`` [B], empty ``meta``."""
+    generator = torch.Generator().manual_seed(seed)
+    words = ["red", "green", "blue", "circle", "square", "big", "small", "star", "left", "right"]
+    picks = torch.randint(len(words), (batch_size, 4), generator=generator).tolist()
+    captions = [" ".join(words[i] for i in row) for row in picks]
+    return {
+        "image": torch.randn(batch_size, 3, image_size, image_size, generator=generator),
+        "text": model.tokenizer(captions),
+        "index": torch.arange(batch_size),
+        "meta": {},
+    }
+
+
 def check_tiled(
     loss,
     similarity,
@@ -217,7 +274,7 @@ def check_tiled(
     pair: tuple[PointSet, PointSet] | None = None,
     tolerance: float = 1e-9,
 ) -> tuple[LossOutput, LossOutput]:
-    """ "Tiled equals full" (``loss.tiled``, :mod:`clipkit.tiled.contract`) in float64: the loss, its
+    """ "Tiled equals full" (``train.tiled``, :mod:`clipkit.tiled.contract`) in float64: the loss, its
     metrics and the gradients of the points, weights and similarity parameters agree within
     ``tolerance`` (relative to the values' size). ``batch`` is odd and ``tile_size`` does not divide it
     by default, so ragged last tiles are exercised. ``local_rows`` = (offset, n): also check the

@@ -314,7 +314,7 @@ class Similarity(Protocol):
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
         tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
             logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
-            int | None (optional cap on the tile side): the tiled path (``loss.tiled``,
+            int | None (optional cap on the tile side): the tiled path (``train.tiled``,
             :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
     """
 
@@ -341,8 +341,8 @@ class Loss(Protocol):
             every batch twice) and stops, never skips, on a non-finite step (the state has already
             taken the batch in). Requiring ``index`` alone does not make a loss stateful.
         tiled_loss(logits: TiledLogits, ctx) -> LossOutput — the same loss from row/column
-            reductions of tiles (``loss.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
-            str — why the loss has no tiled form (``loss.tiled: true`` then refuses with it).
+            reductions of tiles (``train.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
+            str — why the loss has no tiled form (``train.tiled: true`` then refuses with it).
     """
 
     requires: frozenset[str]
@@ -360,7 +360,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
     "score_tile": None,  # Similarity
     "score_pairs": None,  # Similarity (optional speed-up of the positives)
-    "largest_tile": None,  # Similarity (optional cap on loss.tile_size)
+    "largest_tile": None,  # Similarity (optional cap on train.tile_size)
     "tiled_loss": None,  # Loss: tiled path
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
     "projection_module_name": None,  # Encoder

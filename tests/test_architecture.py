@@ -1,8 +1,10 @@
 """The rules that make the house (docs/plugins.md, "Layout"), checked on the source itself.
 
 Imports are read with ``ast`` from every module of ``clipkit/`` and ``plugins/`` (installed as
-``clipkit.plugins``), function-level imports included — a lazy import is still a dependency —
-and ``if TYPE_CHECKING:`` blocks excluded (they never run).
+``clipkit.plugins``), function-level imports included — a lazy import is still a dependency.
+``if TYPE_CHECKING:`` blocks never run, so the rules about what a module may import at run time
+leave them out; the rule against import cycles counts them (a cycle held apart only by
+``TYPE_CHECKING`` is still a knot a reader must untie).
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ def is_type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imported_names(module: str, path: Path) -> set[str]:
-    """Every module name ``module`` imports (absolute; ``from X import y`` gives X and X.y)."""
+def imported_names(module: str, path: Path, *, type_checking: bool = False) -> set[str]:
+    """Every module name ``module`` imports (absolute; ``from X import y`` gives X and X.y);
+    ``type_checking``: also those under ``if TYPE_CHECKING:``."""
     is_package = path.name == "__init__.py"
     names: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if is_type_checking_block(node):
+        if is_type_checking_block(node) and not type_checking:
             return
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -65,11 +68,12 @@ def imported_names(module: str, path: Path) -> set[str]:
 
 
 IMPORTS = {module: imported_names(module, path) for module, path in MODULES.items()}
+ALL_IMPORTS = {module: imported_names(module, path, type_checking=True) for module, path in MODULES.items()}
 
 
-def internal_edges(module: str) -> set[str]:
+def internal_edges(module: str, imports: dict[str, set[str]] = IMPORTS) -> set[str]:
     """The clipkit modules ``module`` depends on (a package's __init__ counts for its name)."""
-    return {name for name in IMPORTS[module] if name in MODULES and name != module}
+    return {name for name in imports[module] if name in MODULES and name != module}
 
 
 def test_the_source_was_read():
@@ -174,18 +178,63 @@ def package_of(module: str) -> str:
     return module.rpartition(".")[0]
 
 
-def test_no_import_cycles():
-    # A package's __init__ importing its own sub-modules (re-exports, a plugin kind's hook) is how
-    # packages work, not a cycle between modules: those edges are left out.
-    graph = {
+def import_graph(imports: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module -> the clipkit modules it imports. A package's __init__ importing its own sub-modules
+    (re-exports, a plugin kind's hook) is how packages work, not a cycle between modules: those
+    edges are left out."""
+    return {
         module: {
             name
-            for name in internal_edges(module)
+            for name in internal_edges(module, imports)
             if not (MODULES[module].name == "__init__.py" and package_of(name) == module)
         }
         for module in MODULES
     }
+
+
+def test_no_import_cycles_even_counting_type_checking_imports():
+    graph = import_graph(ALL_IMPORTS)
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_type_checking_imports_are_read(tmp_path):
+    # Guards the test above: a cycle held apart by TYPE_CHECKING alone is found.
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from clipkit.train.loop import x\n"
+    )
+    assert "clipkit.train.loop" in imported_names("clipkit.probe", probe, type_checking=True)
+    assert "clipkit.train.loop" not in imported_names("clipkit.probe", probe)
+
+
+def reachable(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every clipkit module ``module`` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for name in graph[todo.pop()]:
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+#: Readers of artifacts, and what they must never load: reading an export (evaluation,
+#: ``clipkit.load``, ``model.init``) needs no training code, nor the export writer.
+READERS = ("clipkit.export_reader", "clipkit.loading", "clipkit.eval.evaluate", "clipkit.init_weights")
+TRAINING = ("clipkit.train", "clipkit.export")
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_readers_of_exports_do_not_import_training_code(reader):
+    graph = import_graph(ALL_IMPORTS)
+    loaded = {name for name in reachable(reader, graph) if name.startswith(TRAINING)}
+    loaded = {name for name in loaded if name == "clipkit.export" or name.startswith("clipkit.train")}
+    assert not loaded, f"{reader} imports training code: {sorted(loaded)}"
+
+
+def test_the_reader_rule_can_fail():
+    graph = {"r": {"a"}, "a": {"clipkit.train.loop"}, "clipkit.train.loop": set()}
+    assert reachable("r", graph) == {"a", "clipkit.train.loop"}
 
 
 def test_find_cycle_finds_one():

@@ -652,7 +652,8 @@ def test_a_tokenizer_vocab_outside_the_export_is_refused(work, app, relative):
 def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, registry):
     """A recipe's vocab.txt is copied into the export (checksummed), so the export loads with the
     original file gone and reads nothing outside itself."""
-    from clipkit.export import load_export, write_export
+    from clipkit.export import write_export
+    from clipkit.export_reader import load_export
     from clipkit.model import build_model
     from clipkit.recipe import load_recipe
 
@@ -678,7 +679,8 @@ def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, regist
 def test_an_export_does_not_read_init_weights_its_recipe_names(tmp_path, monkeypatch, registry):
     """A text tower's ``weights`` (a Hugging Face checkpoint to start from) is not read when the
     model is rebuilt from an export, whose own weights replace it: a path leading out is never opened."""
-    from clipkit.export import load_export, write_export
+    from clipkit.export import write_export
+    from clipkit.export_reader import load_export
     from clipkit.model import build_model
     from clipkit.recipe import load_recipe
 

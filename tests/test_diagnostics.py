@@ -13,7 +13,8 @@ from scipy import stats
 
 from clipkit import api
 from clipkit.eval.evaluate import encode_images, encode_texts, eval_generator, load_samples, run_evals
-from clipkit.export import load_export, write_export
+from clipkit.export import write_export
+from clipkit.export_reader import load_export
 from clipkit.manager import make_plugin_manager
 from clipkit.model import build_model
 from clipkit.plugins.evals import diagnostic_stats as diagnostics

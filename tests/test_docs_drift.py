@@ -166,7 +166,7 @@ def _plugin_accepts(kind: str, argument: str) -> bool:
 def recipe_key_problem(key: str) -> str | None:
     """Why ``key`` (``data.num_workers``) is not a recipe key; None when it is one."""
     from clipkit.recipe import SECTIONS, SLOTS, DistributedConfig
-    from clipkit.tiled.settings import HOST_KEYS as TILING_KEYS
+    from clipkit.tiled.settings import DEPRECATED_LOSS_KEYS as TILING_KEYS
 
     slots = {slot.path: slot.kind for slot in SLOTS} | {"eval": "eval"}
     parts = key.split(".")
@@ -178,7 +178,7 @@ def recipe_key_problem(key: str) -> str | None:
                 return None
             if slot == "eval" and rest[0].isdigit():
                 rest = rest[1:]
-            if slot == "loss" and rest[0] in TILING_KEYS:  # the host's keys in the loss slot
+            if slot == "loss" and rest[0] in TILING_KEYS:  # deprecated spelling of train.tiled
                 return None
             if len(rest) == 1 and _plugin_accepts(slots[slot], rest[0]):
                 return None

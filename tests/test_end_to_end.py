@@ -94,7 +94,7 @@ def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
     assert metadata["preprocessing"]["image_size"] == 48
     assert metadata["recipe"]["name"] == "quickstart@smoke"
 
-    from clipkit.export import load_export
+    from clipkit.export_reader import load_export
 
     model, _ = load_export(result.export_dir, fresh_registry())
     saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]

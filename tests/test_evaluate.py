@@ -399,7 +399,8 @@ def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
     """Untrained tiny exports of the point-set and Hopfield similarities evaluate through their own
     similarity; WPSE (random features) is repeated over 5 feature seeds with a spread."""
     from clipkit.eval.evaluate import run_evals
-    from clipkit.export import load_export, write_export
+    from clipkit.export import write_export
+    from clipkit.export_reader import load_export
     from clipkit.model import build_model
 
     registry = fresh_registry()

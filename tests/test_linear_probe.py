@@ -15,7 +15,8 @@ from clipkit import api
 from clipkit.data.transforms import ImageTransform, decode_transformed
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import load_samples
-from clipkit.export import load_export, write_export
+from clipkit.export import write_export
+from clipkit.export_reader import load_export
 from clipkit.model import ContrastiveModel, build_model, build_slot
 from clipkit.plugins.evals.linear_probe import LinearProbe, projection_module_name
 from clipkit.plugins.evals.linear_probe_fit import (

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from clipkit import api
-from clipkit.export import load_export
+from clipkit.export_reader import load_export
 from clipkit.hookspecs import hookimpl
 from clipkit.manager import make_plugin_manager
 from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes

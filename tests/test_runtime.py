@@ -69,7 +69,7 @@ def test_exact_accumulation_equals_the_full_batch(registry, in_tmp):
     batch = first_batch(full)
     loss, out = full.step(batch, 0)
     loss.backward()
-    accumulated, finite = accumulate_exactly(micro, batch, 0)
+    accumulated, finite = accumulate_exactly(micro.step, micro.objective, batch, 0, 0.0, lambda out: True)
     assert finite
     assert float(accumulated.loss.detach()) == pytest.approx(float(out.loss.detach()), rel=1e-6)
     expected, got = gradients(full), gradients(micro)
@@ -172,14 +172,14 @@ class PoisonAt:
 
 def test_nonfinite_loss_stops_with_the_step_by_default(registry, in_tmp):
     trainer = trainer_for(registry, in_tmp / "a", "train.steps=4")
-    trainer.loss = PoisonAt(trainer.loss, 2)
+    trainer.objective.loss = PoisonAt(trainer.loss, 2)
     with pytest.raises(ClipkitError, match=r"step 3: the loss is nan; stopping"):
         train_loop(trainer)
 
 
 def test_nonfinite_loss_skips_the_step_when_asked(registry, in_tmp):
     trainer = trainer_for(registry, in_tmp / "a", "train.steps=4", "train.nonfinite=skip")
-    trainer.loss = PoisonAt(trainer.loss, 2)
+    trainer.objective.loss = PoisonAt(trainer.loss, 2)
     seen = []
     original = trainer.runtime.step
 

@@ -1,4 +1,4 @@
-"""The tiled path (clipkit.tiled, ``loss.tiled``): exact against the full N×N path in float64 (loss,
+"""The tiled path (clipkit.tiled, ``train.tiled``): exact against the full N×N path in float64 (loss,
 metrics, gradients of points, weights and similarity parameters), odd N with ragged tiles, masks and
 weights, the global and the local-loss forms; float32 within 1e-5 relative; the refusals; the recipe
 keys. Multi-process and training-loop checks live in tests/test_tiled_training.py."""
@@ -27,7 +27,7 @@ from clipkit.testing import check_tiled, full_context, random_points
 from clipkit.tiled import LogSumExp, RowSum
 from clipkit.tiled.contract import tiled_global_loss
 from clipkit.tiled.engine import run_sweep
-from clipkit.tiled.settings import AUTO_ABOVE, Tiling, errors, split
+from clipkit.tiled.settings import AUTO_ABOVE, Tiling, decide, deprecation_warning, errors, tiling_of
 from clipkit.types import LossOutput, PointSet
 
 
@@ -234,24 +234,52 @@ def test_refusals_name_the_reason():
         check_tiled(InfoLOOB(), HopfieldSimilarity())
     with pytest.raises(AssertionError, match="cyclic-consistency"):
         check_tiled(CyCLIPLoss(), dot())
-    with pytest.raises(ClipkitError, match="loss.tiled: true, but the loss CyCLIPLoss has no tiled form"):
-        Tiling("true").applies(64, "the loss CyCLIPLoss has no tiled form: ...")
-    assert Tiling("auto").applies(AUTO_ABOVE + 1, "any reason") is False  # auto falls back to the full path
+    with pytest.raises(ClipkitError, match="train.tiled: true, but the loss CyCLIPLoss has no tiled form"):
+        decide(Tiling("true"), 64, "the loss CyCLIPLoss has no tiled form: ...")
+    assert not decide(Tiling("auto"), AUTO_ABOVE + 1, "any reason").tiled  # auto falls back to the full path
 
 
 def test_auto_switches_above_the_threshold():
-    assert not Tiling("auto").applies(AUTO_ABOVE, None)
-    assert Tiling("auto").applies(AUTO_ABOVE + 1, None)
-    assert Tiling("true").applies(2, None) and not Tiling("false").applies(10**6, None)
+    assert not decide(Tiling("auto"), AUTO_ABOVE, None).tiled
+    assert decide(Tiling("auto", 256), AUTO_ABOVE + 1, None).tile_size == 256
+    assert decide(Tiling("true"), 2, None).tiled and not decide(Tiling("false"), 10**6, None).tiled
 
 
-def test_recipe_keys_are_checked_and_kept_from_the_factory():
-    assert errors({"name": "infonce", "tiled": "sometimes"}) == [
-        "loss.tiled: must be auto, true or false, got 'sometimes'"
+def test_the_train_keys_are_checked():
+    assert errors({"train": {"tiled": "sometimes"}}) == [
+        "train.tiled: must be auto, true or false, got 'sometimes'"
     ]
-    assert "loss.tile_size" in errors({"name": "infonce", "tile_size": 0})[0]
-    config, tiling = split({"name": "infonce", "tiled": True, "tile_size": 256, "label_smoothing": 0.1})
-    assert config == {"name": "infonce", "label_smoothing": 0.1} and tiling == Tiling("true", 256)
+    assert "train.tile_size" in errors({"train": {"tile_size": 0}})[0]
+    assert tiling_of({"train": {"tiled": True, "tile_size": 256}}) == Tiling("true", 256)
+    assert tiling_of({"train": {}}) == Tiling() and tiling_of({}) == Tiling()
+
+
+def test_the_deprecated_loss_keys_still_work_and_never_reach_the_factory():
+    old = {"loss": {"name": "infonce", "tiled": True, "tile_size": 256, "label_smoothing": 0.1}}
+    assert tiling_of(old) == Tiling("true", 256)
+    assert deprecation_warning(old) == (
+        "warning: loss.tiled and loss.tile_size are deprecated and will be removed after this release; "
+        "write train.tiled and train.tile_size instead"
+    )
+    assert deprecation_warning({"loss": {"name": "infonce"}, "train": {"tiled": True}}) is None
+    assert deprecation_warning({"loss": {"name": "infonce", "tiled": "auto"}}).startswith(
+        "warning: loss.tiled is deprecated"
+    )
+    both = {"loss": {"name": "infonce", "tiled": True}, "train": {"tiled": False}}
+    assert "sets both" in errors(both)[0]
+
+
+def test_a_recipe_with_loss_tiled_resolves_with_one_warning_line(capsys):
+    from clipkit.api import resolve
+    from clipkit.registry import default_registry
+
+    recipe = resolve("clip@tiny", ["loss.tiled=true", "loss.tile_size=8"], default_registry())
+    warned = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert warned == [
+        "warning: loss.tiled and loss.tile_size are deprecated and will be removed after this release; "
+        "write train.tiled and train.tile_size instead"
+    ]
+    assert tiling_of(recipe) == Tiling("true", 8)
 
 
 def test_validate_refuses_tiled_true_for_cloob(registry=None):
@@ -259,9 +287,16 @@ def test_validate_refuses_tiled_true_for_cloob(registry=None):
     from clipkit.errors import RecipeError
     from clipkit.registry import default_registry
 
-    with pytest.raises(RecipeError, match="loss.tiled: true, but the similarity HopfieldSimilarity"):
-        resolve("cloob@tiny", ["loss.tiled=true"], default_registry())
-    assert resolve("clip@tiny", ["loss.tiled=true", "loss.tile_size=8"], default_registry())["loss"]["tiled"]
+    with pytest.raises(RecipeError, match="train.tiled: true, but the similarity HopfieldSimilarity"):
+        resolve("cloob@tiny", ["train.tiled=true"], default_registry())
+    with pytest.raises(RecipeError, match="train.tiled: true, but the similarity HopfieldSimilarity"):
+        resolve("cloob@tiny", ["loss.tiled=true"], default_registry())  # the deprecated spelling too
+    assert resolve("clip@tiny", ["train.tiled=true", "train.tile_size=8"], default_registry())["train"][
+        "tiled"
+    ]
+    with pytest.raises(RecipeError, match="ZeRO-3"):
+        zero3 = ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3"]
+        resolve("clip@tiny", ["train.tiled=true", *zero3], default_registry())
 
 
 class _SlightlyWrongTiles(InfoNCE):
@@ -370,25 +405,21 @@ def test_validate_explains_the_knob():
     app = make_app(make_plugin_manager(autoload=False))
     result = CliRunner().invoke(app, ["validate", "clip@tiny", "data.batch_size=65536"])
     assert result.exit_code == 0, result.output
-    assert "# loss.tiled: auto — contrastive batch 65536: tiled, tiles of at most 1024×1024" in result.output
+    assert "# train.tiled: auto — contrastive batch 65536: tiled, tiles of at most 1024×1024" in result.output
     assert "the full logits would take 32 GiB" in result.output
     result = CliRunner().invoke(app, ["validate", "cloob@tiny"])
     assert "full N×N logits (the similarity HopfieldSimilarity has no tiled form" in result.output
-    result = CliRunner().invoke(app, ["validate", "clip@tiny", "loss.tiled=maybe"])
-    assert result.exit_code == 2 and "loss.tiled: must be auto, true or false, got 'maybe'" in result.output
+    result = CliRunner().invoke(app, ["validate", "clip@tiny", "train.tiled=maybe"])
+    assert result.exit_code == 2 and "train.tiled: must be auto, true or false, got 'maybe'" in result.output
 
 
 def test_zero3_keeps_the_full_path_and_refuses_tiled_true():
-    from types import SimpleNamespace
+    from clipkit.tiled.settings import strategy_refusal
 
-    from clipkit.tiled.settings import for_runtime
-
-    zero3, ddp = (
-        SimpleNamespace(strategy="deepspeed", zero_stage=3),
-        SimpleNamespace(strategy="ddp", zero_stage=2),
-    )
-    assert (
-        for_runtime(Tiling("auto"), zero3) == Tiling("false") and for_runtime(Tiling("auto"), ddp) == Tiling()
-    )
+    zero3 = strategy_refusal({"strategy": "deepspeed", "zero_stage": 3})
+    assert strategy_refusal({}) is None and "ZeRO-3" in zero3
+    assert strategy_refusal({"strategy": "deepspeed", "zero_stage": 2}) is None
+    assert strategy_refusal({"strategy": "deepspeed"}) is None  # ZeRO-2 is the default stage
+    assert not decide(Tiling("auto"), AUTO_ABOVE + 1, zero3).tiled
     with pytest.raises(ClipkitError, match="ZeRO-3"):
-        for_runtime(Tiling("true"), zero3)
+        decide(Tiling("true"), 8, zero3)

@@ -1,4 +1,4 @@
-"""``loss.tiled`` in the training step: clip@tiny and siglip@tiny with ``tiled: true`` match
+"""``train.tiled`` in the training step: clip@tiny and siglip@tiny with ``tiled: true`` match
 ``tiled: false`` step for step (fp32), with exact gradient accumulation too; and two processes
 (gloo, ``torchrun``) with tiles equal one process without (the exact gather modes, with and without
 ``train.micro_batch_size``; ``tests/distributed/tiled_equivalence.py``)."""
@@ -46,8 +46,8 @@ def train_rows(spec: str, shards: Path, run_dir: Path, *extra: str) -> list[dict
     ids=["clip", "siglip", "clip-accumulated"],
 )
 def test_tiled_training_matches_full_step_for_step(spec, extra, shards, tmp_path):
-    full = train_rows(spec, shards, tmp_path / "full", "loss.tiled=false", *extra)
-    tiled = train_rows(spec, shards, tmp_path / "tiled", "loss.tiled=true", "loss.tile_size=5", *extra)
+    full = train_rows(spec, shards, tmp_path / "full", "train.tiled=false", *extra)
+    tiled = train_rows(spec, shards, tmp_path / "tiled", "train.tiled=true", "train.tile_size=5", *extra)
     assert len(full) == len(tiled) == 4
     for want, got in zip(full, tiled, strict=True):
         for key in ("loss", "acc_i2t", "logit_scale"):

@@ -117,32 +117,6 @@ def make_batch(size: int, image_size: int, context: int, vocab: int, seed: int, 
     return {"image": images, "text": text, "index": torch.arange(size, device=dev)}
 
 
-class InMemoryStream:
-    """The trainer's stream: cycles over batches already on the device (clipkit's stream
-    protocol: ``num_samples``, ``epoch``, ``batch_in_epoch``, ``position``/``restore``)."""
-
-    def __init__(self, batches: list[dict]) -> None:
-        self.batches = batches  # filled once the trainer says which sizes it wants
-        self.epoch, self.batch_in_epoch = 0, 0
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(batch["index"]) for batch in self.batches)
-
-    def __iter__(self):
-        while True:
-            for batch in self.batches:
-                self.batch_in_epoch += 1
-                yield batch
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
-
-    def restore(self, position: dict[str, int]) -> None:
-        self.epoch, self.batch_in_epoch = int(position["epoch"]), int(position["batch_in_epoch"])
-
-
 # --- the two sides: each has name, summary, step(batch), set_grad_checkpointing(bool), zero_grad() ---
 
 
@@ -153,6 +127,7 @@ class ClipkitSide:
 
     def __init__(self, run_dir: Path) -> None:
         from clipkit.api import resolve
+        from clipkit.data.memory import InMemoryStream
         from clipkit.hookspecs import hookimpl
         from clipkit.manager import make_plugin_manager
         from clipkit.registry import Registry

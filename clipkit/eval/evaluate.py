@@ -225,7 +225,7 @@ def evaluate_export(
     data does not exist, or that the suite marks unsupported, are listed in the results
     (``missing`` / ``not_run``) instead of run (:mod:`clipkit.eval.suite`)."""
     from clipkit.eval.suite import split_suite
-    from clipkit.export import load_model
+    from clipkit.export_reader import load_model
 
     skipped: list[dict] = []
     if tasks is not None and skip_missing:

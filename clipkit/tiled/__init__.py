@@ -1,6 +1,6 @@
 """Exact contrastive losses at bounded memory: similarities scored tile by tile, losses computed from
 row/column reductions of the tiles (online log-sum-exp, tile sums), with a backward pass that
-recomputes tiles instead of storing the N×N logits. ``loss.tiled`` in a recipe chooses it
+recomputes tiles instead of storing the N×N logits. ``train.tiled`` in a recipe chooses it
 (docs/plugins.md "Tiled losses"; docs/distributed.md).
 
 Names are imported lazily so that :mod:`clipkit.tiled.settings` (read by recipe validation) does not

@@ -11,7 +11,7 @@ A similarity is *tileable* when it declares (clipkit.types.OPTIONAL_MEMBERS)
 with ``score_tile(tile_features(a), tile_features(b))`` equal to ``forward(a, b).i2t``. A loss is
 tileable when it declares ``tiled_loss(logits: TiledLogits, ctx) -> LossOutput`` equal to its
 ``__call__`` on the full logits. Either may instead declare ``tiled_unsupported = "why"``; the
-host then refuses ``loss.tiled: true`` with that reason (``auto`` falls back to the full path).
+host then refuses ``train.tiled: true`` with that reason (``auto`` falls back to the full path).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _scorers(similarity: Any):
 
 
 def _tile_size(similarity: Any, features_a: tuple, features_b: tuple, tile_size: int) -> int:
-    """``loss.tile_size``, capped by the similarity's ``largest_tile`` when it declares one (KME: the
+    """``train.tile_size``, capped by the similarity's ``largest_tile`` when it declares one (KME: the
     largest tile its block kernels score in one pass, whose kept scores spare the backward a
     recompute)."""
     largest = optional_member(similarity, "largest_tile")

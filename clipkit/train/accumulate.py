@@ -6,16 +6,13 @@ encoding every sample twice (once without gradient to cache the features, once w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from clipkit.train.objective import contrastive_loss, loss_is_finite
+from clipkit.train.objective import Objective
 from clipkit.types import LossOutput, PointSet
-
-if TYPE_CHECKING:
-    from clipkit.train.build import Trainer
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,14 @@ class FeatureGradient:
         )
 
 
-def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOutput, bool]:
+def accumulate_exactly(
+    training_step: torch.nn.Module,
+    objective: Objective,
+    batch: dict,
+    step: int,
+    epoch: float,
+    is_finite: Callable[[LossOutput], bool],
+) -> tuple[LossOutput, bool]:
     """Exact gradient accumulation (open_clip's scheme, METHODS §11): the loss sees the whole
     contrastive batch however small the micro-batches are.
 
@@ -64,20 +68,22 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
     Each surrogate already carries the full-batch scale; :meth:`clipkit.train.runtime.Runtime.backward`
     keeps it (the accumulation scaling contract).
 
-    Passes 1 and 3 run through the step module (``trainer.step``, see :mod:`clipkit.train.step`);
-    pass 2 needs no parameter. Returns (the full-batch LossOutput, whether it was finite).
+    ``training_step``: the step module as the runtime wrapped it (see :mod:`clipkit.train.step`);
+    passes 1 and 3 run through it, pass 2 needs no parameter. ``is_finite(out)``: whether every
+    process's full-batch loss is finite (the loop's rule; it also drops the step's gradients).
+    Returns (the full-batch LossOutput, whether it was finite).
     """
-    rt, training_step = trainer.runtime, trainer.step
+    rt = objective.runtime
     micro = split_batch_rows(batch, rt.plan.micro_size)
     with torch.no_grad():
-        parts = [training_step(piece, step, towers_only=True) for piece in micro]
+        parts = [training_step(piece, step, epoch, towers_only=True) for piece in micro]
     cached_a = leaf_points(PointSet.cat([p[0] for p in parts]))
     cached_b = leaf_points(PointSet.cat([p[1] for p in parts]))
     # Outside the step's forward on purpose: only the cached features' gradient is wanted, and
     # DDP / DeepSpeed hooks must not see a backward that reduces nothing (ZeRO-3 is refused).
     with rt.full_precision():
-        out = contrastive_loss(trainer, cached_a, cached_b, batch, step)
-    if not loss_is_finite(trainer, out, step):
+        out = objective(cached_a, cached_b, batch, step=step, epoch=epoch)
+    if not is_finite(out):
         return out, False
     leaves = point_tensors(cached_a) + point_tensors(cached_b)
     grads = tuple(torch.autograd.grad(out.loss, leaves, allow_unused=True))
@@ -87,7 +93,7 @@ def accumulate_exactly(trainer: Trainer, batch: dict, step: int) -> tuple[LossOu
         whole = (cached_a.detach(), cached_b.detach(), batch) if last else None
         gradient = FeatureGradient(grads, slice(k * rows, (k + 1) * rows), whole)
         with rt.no_sync(training_step, last):
-            share, _ = training_step(piece, step, gradient)
+            share, _ = training_step(piece, step, epoch, gradient)
             rt.backward(share, training_step, last=last)
     return out, True
 

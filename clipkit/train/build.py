@@ -1,9 +1,10 @@
 """Build everything the training loop touches from a validated recipe (:func:`build_trainer`).
 
 The recipe's sections are read once here (``Trainer.settings`` is the ``train`` section) and the
-batch is split once by the runtime (``runtime.plan``). Resuming is three calls, in this order:
-:func:`~clipkit.train.checkpoint.open_checkpoint` (verify, check the process count),
-:meth:`Runtime.prepare` (the runtime's state around wrapping) and
+batch is split once by the runtime (``runtime.plan``). The order of :func:`build_trainer` matters;
+each stage says why it comes where it does (docs/architecture.md walks through it). Resuming is three
+calls, in this order: :func:`~clipkit.train.checkpoint.open_checkpoint` (verify, check the process
+count), :meth:`Runtime.prepare` (the runtime's state around wrapping) and
 :func:`~clipkit.train.checkpoint.restore_trainer` (everything else).
 """
 
@@ -12,12 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from clipkit.data.loader import BatchStream, ReadPolicy, training_split
 from clipkit.data.remote import Patience
@@ -28,64 +24,16 @@ from clipkit.init_weights import prepare_model
 from clipkit.machine import apply as apply_machine_fit
 from clipkit.machine import fit_to_machine, launch_warning
 from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
-from clipkit.recipe import DataConfig, TrainConfig, distributed_config, save_recipe, section
+from clipkit.recipe import DataConfig, distributed_config, save_recipe, section
 from clipkit.registry import Registry
-from clipkit.tiled import settings as tiled_settings
-from clipkit.tiled.contract import refusal as tiled_refusal
-from clipkit.tiled.settings import Tiling
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
 from clipkit.train.memory_fit import check_memory
+from clipkit.train.objective import build_objective
 from clipkit.train.runtime import Runtime
 from clipkit.train.step import TrainingStep
-from clipkit.types import Loss, optional_member
+from clipkit.train.trainer import RunInfo, Trainer, TrainingStream
 
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What ``on_metrics`` loggers get to know about the run."""
-
-    directory: Path
-    recipe: str
-    is_main: bool
-
-
-class TrainingStream(Protocol):
-    """This process's batches: a :class:`BatchStream` over shards, or a registered stream
-    (``data.stream``; see :func:`clipkit.hookspecs.register_streams`)."""
-
-    num_samples: int
-    epoch: int
-    batch_in_epoch: int
-
-    def __iter__(self) -> Iterator[dict]: ...
-    def position(self) -> dict[str, int]: ...
-    def restore(self, position: dict[str, int]) -> None: ...
-
-
-@dataclass
-class Trainer:
-    """Everything the loop touches, built from a validated recipe.
-
-    Who changes what: :func:`build_trainer` sets every field once; :func:`restore_trainer` sets
-    ``start_step`` and ``skipped_steps`` from a checkpoint; afterwards only the training loop
-    (:mod:`clipkit.train.loop`) changes ``skipped_steps``.
-    """
-
-    recipe: dict
-    settings: TrainConfig  # the recipe's ``train`` section, typed, with defaults
-    registry: Registry
-    runtime: Runtime
-    model: ContrastiveModel  # the plain model (towers + similarity): what evaluation and export see
-    step: torch.nn.Module  # TrainingStep over ``model``, as wrapped by the runtime (DDP or DeepSpeed engine)
-    loss: Loss
-    optimizer: torch.optim.Optimizer  # as wrapped by the runtime
-    schedule: torch.optim.lr_scheduler.LRScheduler
-    stream: TrainingStream
-    run: RunInfo
-    start_step: int = 0
-    skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
-    augment: BatchedDeviceAugment | None = None  # under data.augment: batched
-    tiling: Tiling | None = None  # loss.tiled, loss.tile_size; None: full logits
+__all__ = ["RunInfo", "Trainer", "TrainingStream", "build_trainer", "prepare_run_dir"]
 
 
 def default_shard_dir(source: str) -> Path:
@@ -95,53 +43,47 @@ def default_shard_dir(source: str) -> Path:
 
 
 def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bool = False) -> Trainer:
+    """The recipe's run, built in the order its pieces depend on each other (validated recipe in)."""
     data, settings = section(recipe, "data"), section(recipe, "train")
-    seed = int(recipe.get("seed", 0))
+    # 1. The runtime first: it starts the processes, picks the device and splits data.batch_size
+    #    into the batch plan every later stage reads (the world size comes from the launcher).
     runtime = Runtime(
         precision=settings.precision,
-        seed=seed,
+        seed=int(recipe.get("seed", 0)),
         distributed=distributed_config(recipe),
         global_batch_size=data.batch_size,
         micro_batch_size=settings.micro_batch_size,
         grad_clip=settings.grad_clip,
     )
+    # 2. The model, with its initial weights (model.init) and locked towers (model.frozen).
     model = build_model(recipe, registry)
-    prepare_model(model, recipe, registry, resume=resume)  # model.init, model.frozen (+ output caches)
+    prepare_model(model, recipe, registry, resume=resume)
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)
-    # Before the data, optimiser and runtime take memory: refuse a run the machine cannot hold.
+    # 3. Before the data, optimiser and runtime take memory: refuse a run the machine cannot hold.
     workers = fit_to_machine(data.num_workers, settings.threads, accelerator=runtime.device.type != "cpu")
     check_memory(recipe, model, runtime, workers=workers.workers if data.stream is None else 0,
-                 announce=runtime.is_main)  # fmt: skip
+                 announce=runtime.is_main, registry=registry)  # fmt: skip
+    # 4. The data before the loss: data.fit_batch may lower the batch to what the training split
+    #    holds (runtime.refit_batch, before prepare: DeepSpeed's configuration carries the split),
+    #    and per-sample-state losses size their tables by the stream's sample count.
     stream = build_stream(recipe, runtime, registry, model)
-    loss_config, tiling = tiled_settings.split(recipe["loss"])  # loss.tiled: the host's, not the loss's
-    tiling = tiled_settings.for_runtime(tiling, distributed_config(recipe))
-    loss = build_slot(
-        registry,
-        "loss",
-        loss_config,
-        "loss",
-        num_samples=stream.num_samples,
-        total_steps=settings.steps,
-        batch_size=runtime.plan.global_size,  # the global batch (NUCLR's epoch-based ζ schedule)
-    )
-    check_loss_fits_runtime(loss, model.similarity, runtime)
-    tiling.applies(runtime.plan.global_size, tiled_refusal(loss, model.similarity))  # tiled: true refuses
+    # 5. The objective: the loss over the model's similarity, checked against the runtime, and
+    #    whether it runs tiled (train.tiled), decided once for the run's contrastive batch.
+    objective = build_objective(recipe, registry, model, runtime, num_samples=stream.num_samples)
+    # 6. Optimiser and schedule over the model's parameters (before wrapping: names are the model's).
     optimizer = build_slot(
         registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
     )
     schedule = build_slot(
         registry, "schedule", recipe["schedule"], "schedule", optimizer=optimizer, total_steps=settings.steps
     )
-    two_view, batched = model.pair == "two_view", data.augment == "batched"
     if settings.compile != "none":
         model = compile_model(model, settings.compile)
+    # 7. Wrap the step (DDP / DeepSpeed), loading a checkpoint's weights and optimiser around it.
     checkpoint = open_checkpoint(run_dir, runtime.world_size) if resume else None
-    if isinstance(loss, torch.nn.Module):
-        loss.to(runtime.device)
-    training_step = TrainingStep(model)
     resumed = {"checkpoint": checkpoint.path, "state": checkpoint.state} if checkpoint else {}
-    prepared_step, prepared_optimizer = runtime.prepare(training_step, optimizer, **resumed)
+    prepared_step, prepared_optimizer = runtime.prepare(TrainingStep(model, objective), optimizer, **resumed)
     trainer = Trainer(
         recipe=recipe,
         settings=settings,
@@ -149,16 +91,16 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         runtime=runtime,
         model=model,
         step=prepared_step,
-        loss=loss,
+        objective=objective,
         optimizer=prepared_optimizer,
         schedule=schedule,
         stream=stream,
         run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
-        tiling=tiling,
     )
-    training_step.trainer = trainer  # the step reads the trainer's runtime, loss and stream
-    if batched:
+    if data.augment == "batched":  # crops on the training device, seeded per (step, rank)
+        two_view = model.pair == "two_view"
         trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)
+    # 8. Everything else a checkpoint holds: schedule, loss state, data position, RNGs, the step.
     if checkpoint is not None:
         restore_trainer(trainer, checkpoint)
     return trainer
@@ -331,33 +273,6 @@ def enable_grad_checkpointing(model: ContrastiveModel) -> None:
             "train.grad_checkpointing: neither encoder has a `grad_checkpointing` switch "
             "(encoder plugins expose one to support this)"
         )
-
-
-def check_loss_fits_runtime(loss: Loss, similarity: torch.nn.Module, runtime: Runtime) -> None:
-    """Refuse combinations that would silently train something else than the recipe says."""
-    name = type(loss).__name__
-    accumulating = runtime.plan.micro_batches > 1
-    if accumulating and optional_member(loss, "stateful"):
-        raise ClipkitError(
-            f"train.micro_batch_size: exact gradient accumulation re-runs the encoders after the loss, but "
-            f"{name} updates per-sample state from each batch "
-            f"(METHODS §11: SogCLR/NUCLR forbid accumulation); "
-            f"use micro_batch_size 0 and a batch that fits, or more processes"
-        )
-    refusal = runtime.exact_accumulation_refusal
-    if accumulating and refusal:
-        raise ClipkitError(f"train.micro_batch_size: {refusal}")
-    if runtime.local_loss:
-        if not optional_member(loss, "supports_local_loss"):
-            raise ClipkitError(
-                f"train.distributed.local_loss: {name} does not declare supports_local_loss (it needs the "
-                f"whole batch, e.g. per-sample state or in-modal terms); set local_loss: false"
-            )
-        if not optional_member(similarity, "pairwise"):
-            raise ClipkitError(
-                f"train.distributed.local_loss: the similarity {type(similarity).__name__} is not pairwise "
-                f"(its logits depend on the whole batch); set local_loss: false"
-            )
 
 
 class BatchedDeviceAugment:

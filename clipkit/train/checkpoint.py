@@ -47,7 +47,7 @@ from clipkit.safe_load import decode_rng, encode_rng, load_file
 from clipkit.train.runtime import partitions, rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from clipkit.train.build import Trainer
+    from clipkit.train.trainer import Trainer
 
 PATTERN = re.compile(r"^step-(\d{8})$")
 STATE, MANIFEST = "state.pt", "checkpoint.json"
@@ -258,7 +258,7 @@ def open_checkpoint(run_dir: Path, world_size: int) -> Checkpoint:
 
 
 def save_trainer(trainer: Trainer, step: int) -> Path:
-    """Checkpoint a :class:`~clipkit.train.build.Trainer` at ``step``. Every process calls this
+    """Checkpoint a :class:`~clipkit.train.trainer.Trainer` at ``step``. Every process calls this
     (DeepSpeed partitions and RNG states are per process)."""
     rt = trainer.runtime
     runtime_part: dict[str, Any] = {}

@@ -14,10 +14,7 @@ import sys
 from typing import Any
 
 from clipkit.errors import ClipkitError
-
-#: ``torch.compile`` modes, plus "none" (eager). "reduce-overhead" adds CUDA graphs on GPUs;
-#: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+from clipkit.settings_schema import COMPILE_MODES
 
 #: The model attributes holding the towers (``text_encoder`` is None for two-view models).
 TOWERS = ("image_encoder", "text_encoder")

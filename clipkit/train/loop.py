@@ -16,20 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from clipkit.errors import ClipkitError
 from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
-from clipkit.train.build import RunInfo, Trainer, build_trainer, prepare_run_dir
+from clipkit.train.build import build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
-from clipkit.train.objective import contrastive_loss, handle_nonfinite, loss_is_finite
 from clipkit.train.runtime import rng_state, set_rng_state
-from clipkit.types import LossOutput, similarity_metrics
+from clipkit.train.trainer import RunInfo, Trainer
+from clipkit.types import LossOutput, optional_member, similarity_metrics
 
 __all__ = [
     "RunInfo",
     "Trainer",
     "accumulate_exactly",
     "build_trainer",
-    "contrastive_loss",
     "prepare_run_dir",
     "train_loop",
     "train_step",
@@ -48,16 +48,21 @@ class StepOutcome:
 def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
     """Forward, loss, backward and optimiser step for one contrastive batch."""
     rt, training_step = trainer.runtime, trainer.step
+    epoch = trainer.epoch()  # the fractional epoch of this batch (scheduled losses read it)
+
+    def is_finite(out: LossOutput) -> bool:
+        return loss_is_finite(trainer, out, step)
+
     if rt.plan.micro_batches > 1:
         # Exact accumulation (train.micro_batch_size): the loss still sees the whole batch.
-        out, finite = accumulate_exactly(trainer, batch, step)
+        out, finite = accumulate_exactly(training_step, trainer.objective, batch, step, epoch, is_finite)
     else:
         # 1-4. The step module (clipkit.train.step, wrapped by DDP / DeepSpeed): the towers encode
         # this process's batch in the recipe's precision, the point sets are gathered into the
         # global batch (fp32), the similarity compares them, the loss scores the logits.
-        loss, out = training_step(batch, step)
+        loss, out = training_step(batch, step, epoch)
         # Every process must agree before anyone back-propagates a NaN into shared weights.
-        finite = loss_is_finite(trainer, out, step)
+        finite = is_finite(out)
         if finite:
             rt.backward(loss, training_step)  # 5. gradients (loss-scaled under fp16)
     if not finite:
@@ -70,6 +75,33 @@ def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
         if result.bad_gradient:  # not loss scaling at work: a non-finite gradient
             handle_nonfinite(trainer, step, f"the gradient norm is {result.grad_norm}")
     return StepOutcome(out, result.applied, result.grad_norm)
+
+
+def loss_is_finite(trainer: Trainer, out: LossOutput, step: int) -> bool:
+    """All processes agree whether the loss is finite; a non-finite one stops the run or
+    (``train.nonfinite: skip``) drops the step's gradients, and the caller skips the step."""
+    if trainer.runtime.all_true(bool(torch.isfinite(out.loss.detach()))):
+        return True
+    trainer.runtime.zero_grad(trainer.step, trainer.optimizer)
+    handle_nonfinite(trainer, step, f"the loss is {float(out.loss.detach())}")
+    return False
+
+
+def handle_nonfinite(trainer: Trainer, step: int, what: str) -> None:
+    """Raise unless the recipe says skip — and always for per-sample-state losses, whose state the
+    non-finite batch has already corrupted."""
+    skip = trainer.settings.nonfinite == "skip"
+    stateful = optional_member(trainer.loss, "stateful")
+    if skip and not stateful:
+        return
+    reason = (
+        f"{type(trainer.loss).__name__} updated its per-sample state from this batch"
+        if stateful and skip
+        else "train.nonfinite=skip skips such steps instead"
+    )
+    raise ClipkitError(
+        f"step {step + 1}: {what}; stopping ({reason}; lower the learning rate or use fp32/bf16)"
+    )
 
 
 def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
@@ -112,9 +144,8 @@ def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float) -
     """The logged numbers of a step (every process computes them: reading a ZeRO-3 similarity's
     parameters gathers them)."""
     rt, stream, out = trainer.runtime, trainer.stream, outcome.out
-    epoch = stream.epoch + stream.batch_in_epoch * rt.plan.global_size / stream.num_samples
     lr = trainer.optimizer.param_groups[0]["lr"]
-    metrics = {"loss": float(out.loss.detach()), "lr": lr, "epoch": epoch}
+    metrics = {"loss": float(out.loss.detach()), "lr": lr, "epoch": trainer.epoch()}
     metrics.update({k: float(v) for k, v in out.metrics.items()})
     with rt.gathered(trainer.model.similarity):
         metrics.update(similarity_metrics(trainer.model.similarity))

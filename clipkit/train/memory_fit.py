@@ -16,7 +16,7 @@ or the process's share of ``data.batch_size``; ``G``: the global batch the loss 
   + activations                       A(1) + (A(2) - A(1)) x (B - 1), measured (below)
   + logits                            24 bytes x rows x G (i2t and t2i, their softmax, gradients;
                                       rows = B with train.distributed.local_loss, else G);
-                                      tiled (loss.tiled): 24 bytes x tile² + 64 bytes x G
+                                      tiled (train.tiled): 24 bytes x tile² + 64 bytes x G
   + batches in flight (host RAM)      (2 x workers + 2) x the bytes of one input batch
   + runtime (host RAM)                this process's resident memory now, less the weights
 
@@ -182,8 +182,18 @@ def input_batch_bytes(model, batch_size: int, image_size: int) -> int:
     return images + tokens
 
 
-def estimate_memory(recipe: dict, model, plan, *, world_size: int, device: str, workers: int) -> Estimate:
-    """The estimate of the module docs for a built (not yet trained) model and batch ``plan``."""
+def estimate_memory(
+    recipe: dict,
+    model,
+    plan,
+    *,
+    world_size: int,
+    device: str,
+    workers: int,
+    tiling_refusal: str | None = None,
+) -> Estimate:
+    """The estimate of the module docs for a built (not yet trained) model and batch ``plan``;
+    ``tiling_refusal``: why the recipe cannot run tiled (clipkit.tiled.settings.recipe_refusal)."""
     from clipkit.recipe import distributed_config, section
     from clipkit.tiled import settings as tiled_settings
 
@@ -201,7 +211,7 @@ def estimate_memory(recipe: dict, model, plan, *, world_size: int, device: str, 
         "optimiser step": trainable,
         "DDP buckets": trainable if world_size > 1 else 0,
         "activations": activation_bytes(model, per_forward, model_section.image_size, settings.precision),
-        "logits": tiled_settings.logit_bytes(recipe, rows, plan.global_size, LOGIT_BYTES),  # loss.tiled
+        "logits": tiled_settings.logit_bytes(recipe, rows, plan.global_size, LOGIT_BYTES, tiling_refusal),
         "batches in flight": (2 * workers + 2)
         * input_batch_bytes(model, plan.local_size, model_section.image_size),
         "runtime": max(0, (resident_bytes() or 0) - weights),  # the weights are in RAM until moved
@@ -272,17 +282,29 @@ def available_gpu(device) -> int | None:
 # ----------------------------------------------------------------------------- the check
 
 
-def check_memory(recipe: dict, model, runtime, *, workers: int, announce: bool) -> Estimate | None:
+def check_memory(
+    recipe: dict, model, runtime, *, workers: int, announce: bool, registry=None
+) -> Estimate | None:
     """Refuse (:class:`NotEnoughMemoryError`, exit 2) a run whose estimate exceeds the memory available to
-    it, warn above :data:`WARN_FRACTION` of it; ``train.memory_check=false`` skips the check."""
+    it, warn above :data:`WARN_FRACTION` of it; ``train.memory_check=false`` skips the check.
+    ``registry``: to tell whether the recipe's plugins can tile (without it, they are assumed to)."""
     from clipkit.machine import processes_on_node
     from clipkit.recipe import section
 
     if not section(recipe, "train").memory_check:
         return None
     device = runtime.device.type
+    from clipkit.tiled.settings import plugin_refusal
+
+    refusal = (None if registry is None else plugin_refusal(recipe, registry)) or runtime.tiling_refusal
     estimate = estimate_memory(
-        recipe, model, runtime.plan, world_size=runtime.world_size, device=device, workers=workers
+        recipe,
+        model,
+        runtime.plan,
+        world_size=runtime.world_size,
+        device=device,
+        workers=workers,
+        tiling_refusal=refusal,
     )
     budgets = []  # (what is compared, bytes needed, bytes available, where)
     if device == "cuda":

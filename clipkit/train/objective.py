@@ -1,121 +1,206 @@
 """The contrastive objective of one step, after the towers: the gather into the global batch, the
-similarity and the loss (:func:`contrastive_loss`) — and what the loop does when the loss is not finite.
+similarity and the loss — built once per run (:func:`build_objective`), called once per step.
 
-:class:`clipkit.train.step.TrainingStep` calls :func:`contrastive_loss` inside its forward; exact
-accumulation (:mod:`clipkit.train.accumulate`) calls it on the cached features too.
+An :class:`Objective` needs no trainer: the loss, the similarity, the runtime's gathers and the
+tiling decision are resolved when it is built; what changes per step (the step, the epoch, the
+batch's indices and meta-data) is passed per call. So the loss pass of one batch runs from a model,
+an objective and a batch alone::
+
+    objective = build_objective(recipe, registry, model)      # one process, the recipe's loss
+    step = TrainingStep(model, objective)                      # clipkit.train.step
+    loss, out = step(batch, step=0, epoch=0.0)                 # towers -> gather -> similarity -> loss
+
+:class:`clipkit.train.step.TrainingStep` calls the objective inside its forward; exact accumulation
+(:mod:`clipkit.train.accumulate`) calls it on the cached features too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from clipkit.errors import ClipkitError
-from clipkit.types import Logits, LossContext, LossOutput, PointSet, optional_member
-
-if TYPE_CHECKING:
-    from clipkit.train.build import Trainer
+from clipkit.tiled.settings import Decision, Tiling, decide
+from clipkit.train.runtime import Runtime
+from clipkit.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 
 
-def contrastive_loss(
-    trainer: Trainer, local_a: PointSet, local_b: PointSet, batch: dict, step: int
-) -> LossOutput:
-    """This process's point sets -> the recipe's loss on the contrastive batch.
+@dataclass
+class Objective:
+    """Point sets of this process -> the recipe's loss on the contrastive batch.
 
-    Global loss (default): every process scores the whole gathered batch. Local loss
-    (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
-    gradient averaging turns the mean of the local losses into the full-batch loss.
+    loss:       the loss plugin (an ``nn.Module`` when it keeps per-sample state)
+    similarity: the model's similarity module (it owns the comparison's parameters)
+    runtime:    the gathers into the global batch, the per-step generator, the precision contexts
+    tile_size:  rows and columns per tile when the loss runs tiled (``train.tiled``); None: the
+                full N×N logits. Decided once, for the run's contrastive batch (:func:`decide`).
     """
-    rt, loss_fn, similarity = trainer.runtime, trainer.loss, similarity_of(trainer)
-    a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
-    epoch = trainer.stream.epoch + trainer.stream.batch_in_epoch * a.batch_size / trainer.stream.num_samples
-    if uses_tiles(trainer, a.batch_size):  # loss.tiled: never materialise the N×N logits
-        from clipkit.tiled.train import tiled_contrastive_loss
 
-        gathered = {} if rt.local_loss else global_fields(trainer, batch)
-        ctx = loss_context(trainer, gathered, a, b, step, epoch, in_modal=False)  # tiled losses score views
-        return tiled_contrastive_loss(trainer, similarity, local_a, local_b, a, b, ctx, step)
-    if rt.local_loss:
-        n = local_a.batch_size
-        image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
-        text_rows = similarity(a, local_b.float(), generator=rt.generator(step)).t2i  # [n, N]
-        ctx = loss_context(trainer, {}, a, b, step, epoch)
-        return loss_fn(Logits(i2t=image_rows, t2i=text_rows), rt.targets(n, offset=rt.rank * n), ctx)
-    logits = similarity(a, b, generator=rt.generator(step))
-    ctx = loss_context(trainer, global_fields(trainer, batch), a, b, step, epoch)
-    return loss_fn(logits, rt.targets(a.batch_size), ctx)
+    loss: Loss
+    similarity: nn.Module
+    runtime: Runtime
+    tile_size: int | None = None
+
+    @property
+    def requires(self) -> frozenset:
+        """The LossContext fields the loss declared."""
+        return frozenset(optional_member(self.loss, "requires") or ())
+
+    def __call__(
+        self, local_a: PointSet, local_b: PointSet, batch: dict, *, step: int, epoch: float
+    ) -> LossOutput:
+        """local_a, local_b [n, M, d]: this process's point sets; ``batch`` its input (indices and
+        meta-data, gathered when the loss declares them); ``step`` seeds the similarity's randomness;
+        ``epoch`` is the fractional epoch (losses with schedules read it).
+
+        Global loss (default): every process scores the whole gathered batch. Local loss
+        (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
+        gradient averaging turns the mean of the local losses into the full-batch loss.
+        """
+        rt, similarity = self.runtime, self.similarity
+        a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
+        if self.tile_size is not None:  # train.tiled: never materialise the N×N logits
+            gathered = {} if rt.local_loss else self.global_fields(batch)
+            ctx = self.context(gathered, a, b, step, epoch, in_modal=False)  # tiled losses score views
+            return self.tiled(local_a, local_b, a, b, ctx, step)
+        if rt.local_loss:
+            n = local_a.batch_size
+            image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
+            text_rows = similarity(a, local_b.float(), generator=rt.generator(step)).t2i  # [n, N]
+            ctx = self.context({}, a, b, step, epoch)
+            return self.loss(Logits(i2t=image_rows, t2i=text_rows), rt.targets(n, offset=rt.rank * n), ctx)
+        logits = similarity(a, b, generator=rt.generator(step))
+        ctx = self.context(self.global_fields(batch), a, b, step, epoch)
+        return self.loss(logits, rt.targets(a.batch_size), ctx)
+
+    def tiled(
+        self, local_a: PointSet, local_b: PointSet, a: PointSet, b: PointSet, ctx: LossContext, step: int
+    ) -> LossOutput:
+        """The tiled branch: the full path's gather, targets and context, with the logits replaced by
+        :class:`clipkit.tiled.TiledLogits` (local_a, local_b [n, M, d]; a, b [N, M, d])."""
+        from clipkit.tiled.contract import tiled_global_loss, tiled_local_loss
+
+        rt, loss, similarity = self.runtime, self.loss, self.similarity
+
+        def generator_for():
+            return rt.generator(step)  # a fresh, identically seeded generator per side (WPSE's features)
+
+        tiles = {"tile_size": self.tile_size, "generator_for": generator_for}
+        if rt.local_loss:
+            offset = rt.rank * local_a.batch_size
+            return tiled_local_loss(
+                loss, similarity, local_a.float(), b, a, local_b.float(), offset, ctx, **tiles
+            )
+        return tiled_global_loss(loss, similarity, a, b, ctx, **tiles)
+
+    def context(
+        self, gathered: dict, a: PointSet, b: PointSet, step: int, epoch: float, *, in_modal: bool = True
+    ) -> LossContext:
+        """Only the fields the loss declared (in-modal similarities cost two more N×N products).
+
+        ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes);
+        ``in_modal=False`` leaves the N×N in-modal logits out (the tiled path scores them by tiles).
+        """
+        requires, similarity = self.requires, self.similarity
+        fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
+        if "in_modal" in requires and in_modal:
+            fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
+        if "features" in requires:
+            fields["features"] = (a, b)
+        if "step" in requires:
+            fields["step"] = step
+        if "epoch" in requires:
+            fields["epoch"] = epoch
+        return LossContext(**fields)
+
+    def global_fields(self, batch: dict) -> dict:
+        """The global batch's sample indices and meta-data, gathered only when the loss declared them."""
+        rt, fields = self.runtime, {}
+        if "index" in self.requires:
+            fields["index"] = rt.gather_rows(batch["index"])
+        if "meta" in self.requires:
+            fields["meta"] = {key: rt.gather_list(list(values)) for key, values in batch["meta"].items()}
+        return fields
 
 
-def uses_tiles(trainer: Trainer, batch_size: int) -> bool:
-    """Whether ``loss.tiled`` (clipkit.tiled.settings) routes this contrastive batch to the tiled path."""
-    tiling = trainer.tiling
-    if tiling is None or tiling.mode == "false":
-        return False
+def tiling_decision(loss: Loss, similarity: nn.Module, runtime: Runtime, tiling: Tiling) -> Decision:
+    """The run's tiling decision (:func:`clipkit.tiled.settings.decide`) for its contrastive batch,
+    from the built loss and similarity and the runtime's strategy (``tiled: true`` refuses what
+    cannot be tiled)."""
     from clipkit.tiled.contract import refusal
 
-    return tiling.applies(batch_size, refusal(trainer.loss, similarity_of(trainer)))
+    why_not = refusal(loss, similarity) or runtime.tiling_refusal
+    return decide(tiling, runtime.plan.global_size, why_not)
 
 
-def similarity_of(trainer: Trainer) -> nn.Module:
-    """The model's similarity module: the one that scores (and owns the comparison's parameters)."""
-    return trainer.model.similarity
+def build_objective(
+    recipe: dict,
+    registry,
+    model: nn.Module,
+    runtime: Runtime | None = None,
+    *,
+    num_samples: int = 0,
+    total_steps: int | None = None,
+) -> Objective:
+    """The recipe's loss over ``model.similarity`` — built, placed on the runtime's device, checked
+    against the runtime (accumulation, local loss) and with the tiling decided.
 
-
-def loss_context(
-    trainer: Trainer, gathered: dict, a, b, step: int, epoch: float, *, in_modal: bool = True
-) -> LossContext:
-    """Only the fields the loss declared (in-modal similarities cost two more N×N products).
-
-    ``gathered`` holds the global batch's ``index`` and ``meta`` (gathered over processes);
-    ``in_modal=False`` leaves the N×N in-modal logits out (the tiled path scores them by tiles).
+    ``runtime``: the run's (default: one process, this recipe's batch and precision).
+    ``num_samples``: samples per epoch (losses with per-sample state size their tables by it).
     """
-    requires, similarity = optional_member(trainer.loss, "requires"), similarity_of(trainer)
-    fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
-    if "in_modal" in requires and in_modal:
-        fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
-    if "features" in requires:
-        fields["features"] = (a, b)
-    if "step" in requires:
-        fields["step"] = step
-    if "epoch" in requires:
-        fields["epoch"] = epoch
-    return LossContext(**fields)
+    from clipkit.model import build_slot
+    from clipkit.recipe import section
+    from clipkit.tiled.settings import loss_factory_config, tiling_of
 
-
-def global_fields(trainer: Trainer, batch: dict) -> dict:
-    """The global batch's sample indices and meta-data, gathered only when the loss declared them."""
-    rt, requires, fields = trainer.runtime, optional_member(trainer.loss, "requires"), {}
-    if "index" in requires:
-        fields["index"] = rt.gather_rows(batch["index"])
-    if "meta" in requires:
-        fields["meta"] = {key: rt.gather_list(list(values)) for key, values in batch["meta"].items()}
-    return fields
-
-
-def loss_is_finite(trainer: Trainer, out: LossOutput, step: int) -> bool:
-    """All processes agree whether the loss is finite; a non-finite one stops the run or
-    (``train.nonfinite: skip``) drops the step's gradients, and the caller skips the step."""
-    if trainer.runtime.all_true(bool(torch.isfinite(out.loss.detach()))):
-        return True
-    trainer.runtime.zero_grad(trainer.step, trainer.optimizer)
-    handle_nonfinite(trainer, step, f"the loss is {float(out.loss.detach())}")
-    return False
-
-
-def handle_nonfinite(trainer: Trainer, step: int, what: str) -> None:
-    """Raise unless the recipe says skip — and always for per-sample-state losses, whose state the
-    non-finite batch has already corrupted."""
-    skip = trainer.settings.nonfinite == "skip"
-    stateful = optional_member(trainer.loss, "stateful")
-    if skip and not stateful:
-        return
-    reason = (
-        f"{type(trainer.loss).__name__} updated its per-sample state from this batch"
-        if stateful and skip
-        else "train.nonfinite=skip skips such steps instead"
+    settings = section(recipe, "train")
+    if runtime is None:
+        runtime = Runtime(
+            precision=settings.precision,
+            seed=int(recipe.get("seed", 0)),
+            global_batch_size=section(recipe, "data").batch_size,
+        )
+    loss = build_slot(
+        registry,
+        "loss",
+        loss_factory_config(recipe["loss"]),
+        "loss",
+        num_samples=num_samples,
+        total_steps=settings.steps if total_steps is None else total_steps,
+        batch_size=runtime.plan.global_size,  # the global batch (NUCLR's epoch-based ζ schedule)
     )
-    raise ClipkitError(
-        f"step {step + 1}: {what}; stopping ({reason}; lower the learning rate or use fp32/bf16)"
-    )
+    check_loss_fits_runtime(loss, model.similarity, runtime)
+    if isinstance(loss, torch.nn.Module):
+        loss.to(runtime.device)
+    decision = tiling_decision(loss, model.similarity, runtime, tiling_of(recipe))
+    return Objective(loss, model.similarity, runtime, decision.tile_size)
+
+
+def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime) -> None:
+    """Refuse combinations that would silently train something else than the recipe says."""
+    from clipkit.errors import ClipkitError
+
+    name = type(loss).__name__
+    accumulating = runtime.plan.micro_batches > 1
+    if accumulating and optional_member(loss, "stateful"):
+        raise ClipkitError(
+            f"train.micro_batch_size: exact gradient accumulation re-runs the encoders after the loss, but "
+            f"{name} updates per-sample state from each batch "
+            f"(METHODS §11: SogCLR/NUCLR forbid accumulation); "
+            f"use micro_batch_size 0 and a batch that fits, or more processes"
+        )
+    refusal = runtime.exact_accumulation_refusal
+    if accumulating and refusal:
+        raise ClipkitError(f"train.micro_batch_size: {refusal}")
+    if runtime.local_loss:
+        if not optional_member(loss, "supports_local_loss"):
+            raise ClipkitError(
+                f"train.distributed.local_loss: {name} does not declare supports_local_loss (it needs the "
+                f"whole batch, e.g. per-sample state or in-modal terms); set local_loss: false"
+            )
+        if not optional_member(similarity, "pairwise"):
+            raise ClipkitError(
+                f"train.distributed.local_loss: the similarity {type(similarity).__name__} is not pairwise "
+                f"(its logits depend on the whole batch); set local_loss: false"
+            )

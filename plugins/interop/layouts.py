@@ -74,7 +74,7 @@ def read(path: Path, registry: Registry | None = None, *, quick_gelu: bool | Non
     elif layout == "hf":
         spec, state = hf.read_dir(Path(path))
     else:
-        from clipkit.export import load_export
+        from clipkit.export_reader import load_export
         from clipkit.registry import default_registry
 
         model, metadata = load_export(Path(path), registry or default_registry())
@@ -181,7 +181,8 @@ def load_model(
 ) -> tuple[ContrastiveModel, dict]:
     """Any layout -> (clipkit model in eval mode, export-style metadata). Exports load as they are
     (any plugins); other layouts are converted in memory."""
-    from clipkit.export import describe, load_export
+    from clipkit.export import describe
+    from clipkit.export_reader import load_export
     from clipkit.registry import default_registry
 
     registry = registry or default_registry()

@@ -112,7 +112,7 @@ class SigLIPLoss:
         )
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from tile sums of the pair terms (``loss.tiled``; clipkit.tiled)."""
+        """The same loss from tile sums of the pair terms (``train.tiled``; clipkit.tiled)."""
         row_terms, best = logits.reduce(RowSum("i2t", _siglip_pair_terms), ArgMax("i2t"))
         rows = logits.num_rows("i2t")
         positive_terms = -F.logsigmoid(logits.positives("i2t").detach())
@@ -148,7 +148,7 @@ class CyCLIPLoss:
     :class:`clipkit.plugins.losses.infonce.InfoNCE` on the logits handed in (any scale).
     """
 
-    #: loss.tiled: the cyclic terms compare whole N×N cosine and Gram matrices entry by entry.
+    #: train.tiled: the cyclic terms compare whole N×N cosine and Gram matrices entry by entry.
     tiled_unsupported = "its cyclic-consistency terms are sums over the N×N cosine and Gram matrices"
     requires: frozenset[str] = frozenset({"features"})
 
@@ -247,7 +247,7 @@ class DecoupledContrastiveLoss:
         )
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from the positives and the negatives' lse of each row (``loss.tiled``)."""
+        """The same loss from the positives and the negatives' lse of each row (``train.tiled``)."""
         positives, negative_lse, accuracy = tiled_positives_and_negative_lse(logits)
         image_to_text, text_to_image = (
             (-self.positive_weights(positives[d]) * positives[d] + negative_lse[d]).mean()
@@ -326,7 +326,7 @@ class DebiasedContrastiveLoss:
         return (torch.logaddexp(positive, log_negatives) - positive).mean(), clamp_active.float().mean()
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from the positives and the negatives' lse of each row (``loss.tiled``)."""
+        """The same loss from the positives and the negatives' lse of each row (``train.tiled``)."""
         positives, negative_lse, accuracy = tiled_positives_and_negative_lse(logits)
         (image_to_text, clamped_i2t), (text_to_image, clamped_t2i) = (
             self.direction_from(positives[d], negative_lse[d], logits.num_candidates(d) - 1)

@@ -87,7 +87,7 @@ class InfoLOOB:
         return LossOutput(loss, _metrics(logits, targets, image_to_text, text_to_image))
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from tiles (``loss.tiled``; any tileable similarity, e.g. ``dot``)."""
+        """The same loss from tiles (``train.tiled``; any tileable similarity, e.g. ``dot``)."""
         image_to_text, text_to_image, metrics = _tiled_directions(logits)
         return LossOutput((image_to_text + text_to_image) / 2, metrics)
 
@@ -124,6 +124,6 @@ class CLOOBLoss:
         return LossOutput(loss, _metrics(logits, targets, image_to_text, text_to_image))
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from tiles (``loss.tiled``); CLOOB's own ``hopfield`` similarity cannot tile."""
+        """The same loss from tiles (``train.tiled``); CLOOB's own ``hopfield`` similarity cannot tile."""
         image_to_text, text_to_image, metrics = _tiled_directions(logits)
         return LossOutput(self.tau * (image_to_text + text_to_image), metrics)

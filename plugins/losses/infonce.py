@@ -46,7 +46,7 @@ class InfoNCE:
         )
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss from row/column reductions (``loss.tiled``; clipkit.tiled): per direction,
+        """The same loss from row/column reductions (``train.tiled``; clipkit.tiled): per direction,
         CE_r = lse_j L_rj − (1 − ε)·L_r,t_r − ε·mean_j L_rj (ε = label_smoothing)."""
         reductions = [LogSumExp("i2t"), LogSumExp("t2i"), ArgMax("i2t")]
         if self.label_smoothing:

@@ -350,7 +350,7 @@ class CompositionalContrastive(nn.Module):
         return self._output(objective, surrogate, metrics, base_lr)
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same step from two sweeps of row/column reductions (``loss.tiled``;
+        """The same step from two sweeps of row/column reductions (``train.tiled``;
         :mod:`clipkit.plugins.losses.nuclr_tiled`): state, value and gradient as :meth:`forward`."""
         from clipkit.plugins.losses import nuclr_tiled
 

@@ -1,4 +1,4 @@
-"""SogCLR / NUCLR on tiled logits (``loss.tiled``; METHODS §6): the quantities of
+"""SogCLR / NUCLR on tiled logits (``train.tiled``; METHODS §6): the quantities of
 :func:`clipkit.plugins.losses.nuclr.direction_step` from row/column reductions, never an N×N tensor.
 
 Per direction d (rows = anchors i, candidates j, ζ_j of direction d, P_i = L_ii):

@@ -316,7 +316,7 @@ class YAwareInfoNCE(_KernelLoss):
         return LossOutput(loss, {"acc_i2t": _accuracy(logits, targets)})
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
-        """The same loss over the 2N views tile by tile (``loss.tiled``; the target weights come from
+        """The same loss over the 2N views tile by tile (``train.tiled``; the target weights come from
         the kernel per tile): :func:`yaware_infonce_tiled`."""
         return yaware_infonce_tiled(self, logits, ctx)
 
@@ -381,9 +381,9 @@ class ConditionalAlignUniform(_KernelLoss):
     sweeps it).  eps: > 0, lower bound of 1 − Ẑ.
     """
 
-    #: loss.tiled: not implemented yet (its uniformity term is one lse over all 4N² view pairs with
+    #: train.tiled: not implemented yet (its uniformity term is one lse over all 4N² view pairs with
     #: per-row factors; tileable in principle, like yaware_infonce).
-    tiled_unsupported = "no tiled form yet (conditional uniformity); use loss.tiled=false"
+    tiled_unsupported = "no tiled form yet (conditional uniformity); use train.tiled=false"
 
     def __init__(self, kernel: list | str | None = None, lam: float = 1.0, eps: float = 1e-6) -> None:
         if not lam >= 0:
@@ -413,7 +413,7 @@ class AlignUniform:
 
     requires: frozenset[str] = frozenset({"features"})
 
-    #: loss.tiled: it reads the pooled features, not the logits (its uniformity is over N² pairs).
+    #: train.tiled: it reads the pooled features, not the logits (its uniformity is over N² pairs).
     tiled_unsupported = "it works on the features, not on a similarity's logits"
 
     def __init__(
@@ -453,7 +453,7 @@ class AlignUniform:
         return torch.logsumexp(-self.t * squared, dim=0) - torch.log(count)
 
 
-# --------------------------------------------------------------------------- tiled form (loss.tiled)
+# --------------------------------------------------------------------------- tiled form (train.tiled)
 # Over the 2N views F (TiledLogits.views()), with target weights w_ik = K(y_{i mod N}, y_{k mod N})
 # (0 on self-pairs) computed per tile from the meta-data:
 #     ℓ_i = lse_{k≠i} F_ik − S_i / W_i,   S_i = Σ_{k≠i} w_ik F_ik,   W_i = Σ_{k≠i} w_ik,
@@ -498,8 +498,8 @@ def yaware_infonce_tiled(loss, logits: TiledLogits, ctx: LossContext) -> LossOut
     """:class:`clipkit.plugins.losses.yaware.YAwareInfoNCE` (and its SimCLR / SupCon forms) from tiles."""
     if loss.normalisation != "rows":
         raise ClipkitError(
-            f"loss.tiled: y-Aware's normalisation {loss.normalisation!r} needs two sweeps and is not tiled; "
-            "use normalisation=rows or loss.tiled=false"
+            f"train.tiled: y-Aware's normalisation {loss.normalisation!r} needs two sweeps and is not tiled; "
+            "use normalisation=rows or train.tiled=false"
         )
     size = logits.num_rows("i2t")
     meta = {} if isinstance(loss.kernel, str) else ctx.meta

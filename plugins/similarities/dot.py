@@ -18,7 +18,7 @@ from clipkit.types import Logits, PointSet
 
 
 class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
-    """L_ab = s·ū_a·v̄_b (+ c), s = exp(t). Tileable (``loss.tiled``): a tile is s·E_a·E_bᵀ (+ c).
+    """L_ab = s·ū_a·v̄_b (+ c), s = exp(t). Tileable (``train.tiled``): a tile is s·E_a·E_bᵀ (+ c).
 
     init_scale:  initial s (CLIP: 1/0.07 ≈ 14.29; SigLIP: 10).
     learn_scale: learn t = log s; otherwise s is a fixed buffer.

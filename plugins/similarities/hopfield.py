@@ -54,7 +54,7 @@ class HopfieldSimilarity(nn.Module):
     # Logits depend on the whole batch (the Hopfield stores): clipkit refuses a local loss with it.
     pairwise = False
 
-    #: loss.tiled: each logit depends on the whole batch through the Hopfield retrieval (every
+    #: train.tiled: each logit depends on the whole batch through the Hopfield retrieval (every
     #: retrieved embedding is a softmax over all stored patterns), so a tile cannot be scored alone.
     tiled_unsupported = "its logits depend on the whole batch (Hopfield retrieval over all stored patterns)"
 

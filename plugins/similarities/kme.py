@@ -483,7 +483,7 @@ class KMESimilarity(nn.Module):
         return None
 
     def tile_features(self, x: PointSet, *, generator: torch.Generator | None = None) -> tuple[Tensor, ...]:
-        """``loss.tiled``: the point sets themselves, (points [B, M, d], weights [B, M] or [B, 0] for
+        """``train.tiled``: the point sets themselves, (points [B, M, d], weights [B, M] or [B, 0] for
         None, mask [B, M] or [B, 0] for None); a tile is scored by the block kernels below."""
         absent = x.points.new_zeros(x.batch_size, 0)
         weights = absent if x.weights is None else x.weights
@@ -495,7 +495,7 @@ class KMESimilarity(nn.Module):
         return self.forward(_point_set(a), _point_set(b)).i2t
 
     def score_pairs(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor:
-        """``loss.tiled``: the logits [n] of the row-aligned pairs (a_r, b_r) (the positives), in chunks
+        """``train.tiled``: the logits [n] of the row-aligned pairs (a_r, b_r) (the positives), in chunks
         of about :data:`TILE_SCORES` scores that backward recomputes (memory O(chunk), not n·Mx·My)."""
         pa, pb = _point_set(a), _point_set(b)
         if self.matmul_dtype != torch.float32:
@@ -509,7 +509,7 @@ class KMESimilarity(nn.Module):
         ])  # fmt: skip
 
     def largest_tile(self, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> int | None:
-        """``loss.tiled``: the largest tile side (sets) the block-wise path scores in one block, or
+        """``train.tiled``: the largest tile side (sets) the block-wise path scores in one block, or
         None (no cap) when there is nothing to gain.
 
         The tiled backward scores each tile again with a graph, then back-propagates through it.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,9 @@ import torch.distributed as dist
 from clipkit.model import build_model, build_slot
 from clipkit.recipe import DistributedConfig, load_recipe
 from clipkit.registry import default_registry
+from clipkit.tiled.settings import Tiling
 from clipkit.train.accumulate import accumulate_exactly
+from clipkit.train.objective import Objective, tiling_decision
 from clipkit.train.runtime import BatchPlan, Runtime, seed_everything
 from clipkit.train.step import TrainingStep
 
@@ -70,24 +71,19 @@ def run_case(rt, model, training_step, step, registry, batch, case, tiling=None)
     loss = build_slot(registry, "loss", LOSSES[loss_name], "loss", num_samples=BATCH, total_steps=10)
     if isinstance(loss, torch.nn.Module):
         loss.to(rt.device)
-    trainer = SimpleNamespace(
-        runtime=rt,
-        model=model,
-        step=step,
-        loss=loss,
-        stream=SimpleNamespace(epoch=1, batch_in_epoch=0, num_samples=BATCH),
-        tiling=tiling,
-    )
+    decided = tiling_decision(loss, model.similarity, rt, tiling or Tiling("false"))
+    objective = Objective(loss, model.similarity, rt, decided.tile_size)
+    epoch = 1.0  # the stream's position: epoch 1, its first batch
     share = BATCH // rt.world_size
     rows = slice(rt.rank * share, (rt.rank + 1) * share)  # this process's rows of the global batch
     local = {key: (value[rows] if isinstance(value, torch.Tensor) else value) for key, value in batch.items()}
-    training_step.trainer = trainer
+    training_step.__dict__["objective"] = objective  # the case's loss (the step keeps it unregistered)
     model.zero_grad(set_to_none=True)
     if rt.plan.micro_batches > 1:
-        out, _ = accumulate_exactly(trainer, local, 0)
+        out, _ = accumulate_exactly(step, objective, local, 0, epoch, lambda out: True)
         value = out.loss.detach().clone()
     else:
-        total, out = step(local, 0)
+        total, out = step(local, 0, epoch)
         total.backward()
         value = total.detach().clone()
     if rt.world_size > 1:  # local losses differ per process; their mean is the full-batch loss
@@ -113,7 +109,8 @@ def setup():
     model = build_model(recipe, registry)
     batch = fixed_batch(model.tokenizer, recipe["model"]["image_size"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    training_step = TrainingStep(model)
+    placeholder = build_slot(registry, "loss", LOSSES["infonce"], "loss", num_samples=BATCH, total_steps=10)
+    training_step = TrainingStep(model, Objective(placeholder, model.similarity, rt))  # run_case sets its own
     step, _ = rt.prepare(training_step, optimizer)
     return rt, model, training_step, step, registry, batch
 

@@ -1,4 +1,4 @@
-"""Loss and gradients of one contrastive step with ``loss.tiled`` on and off, for the exact gather
+"""Loss and gradients of one contrastive step with ``train.tiled`` on and off, for the exact gather
 modes, with and without exact gradient accumulation.
 
 Run as one process or under ``torchrun --nproc_per_node 2`` (each process encodes its half);

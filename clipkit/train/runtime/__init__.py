@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from clipkit.errors import ClipkitError
-from clipkit.recipe import DistributedConfig
+from clipkit.settings_schema import DistributedConfig
 from clipkit.train.runtime import collectives
 from clipkit.train.runtime.strategy import HALF, StepResult, Strategy
 from clipkit.types import PointSet
@@ -167,6 +167,15 @@ class Runtime:
     def local_loss(self) -> bool:
         """Each process scores its own anchors against all candidates (only with several processes)."""
         return self.config.local_loss and self.world_size > 1
+
+    @property
+    def tiling_refusal(self) -> str | None:
+        """Why this run's strategy cannot compute the loss tile by tile (``train.tiled``), or None."""
+        from dataclasses import asdict
+
+        from clipkit.tiled.settings import strategy_refusal
+
+        return strategy_refusal(asdict(self.config))
 
     @property
     def exact_accumulation_refusal(self) -> str | None:
