@@ -294,9 +294,11 @@ def check_memory(
     if not section(recipe, "train").memory_check:
         return None
     device = runtime.device.type
-    from clipkit.tiled.settings import plugin_refusal
+    from clipkit.tiled.settings import plugin_refusal, strategy_refusal
 
-    refusal = (None if registry is None else plugin_refusal(recipe, registry)) or runtime.tiling_refusal
+    distributed = (recipe.get("train") or {}).get("distributed")
+    plugins = None if registry is None else plugin_refusal(recipe, registry)
+    refusal = plugins or strategy_refusal(distributed)
     estimate = estimate_memory(
         recipe,
         model,
