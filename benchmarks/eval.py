@@ -31,18 +31,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import platform
-import random
 import statistics
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from measure import interleaved, machine_line, markdown_header, markdown_row, ratio_spread, timed
 from PIL import Image
 
 LABEL = "colour"
@@ -180,47 +177,31 @@ def bare_retrieval(model, shards: Path) -> dict[str, float]:
 # --- timing ---
 
 
-def clocks() -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process)."""
-    return time.perf_counter(), time.process_time()
-
-
 def time_rows(rows: dict[str, Callable[[], dict]], repeats: int) -> tuple[dict, dict]:
     """({label: [(wall, CPU) seconds per round]}, {label: the row's result of its warm-up run})."""
     results = {label: run() for label, run in rows.items()}
-    seconds = {label: [] for label in rows}
-    order = list(rows)
-    for round_index in range(repeats):
-        random.Random(round_index).shuffle(order)
-        for label in order:
-            (wall, cpu) = clocks()
-            rows[label]()
-            (wall_end, cpu_end) = clocks()
-            seconds[label].append((wall_end - wall, cpu_end - cpu))
+    seconds = interleaved({label: (lambda run=run: timed(run)) for label, run in rows.items()}, repeats)
     return seconds, results
 
 
 def print_table(task: str, images: int, seconds: dict, results: dict, bare_label: str) -> None:
     print()
     print(
-        f"| {task}: {images} images | img/s wall (median) | img/s wall (best) | img/s CPU (median) "
-        "| img/s CPU (best) | × bare (time), wall | × bare (time), CPU | result |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+        markdown_header(
+            f"{task}: {images} images", "img/s wall (median)", "img/s wall (best)", "img/s CPU (median)",
+            "img/s CPU (best)", "× bare (time), wall", "× bare (time), CPU", "result",
+        )
+    )  # fmt: skip
     bare_wall, bare_cpu = zip(*seconds[bare_label], strict=True)
     for label, values in seconds.items():
         wall, cpu = zip(*values, strict=True)
-        wall_ratio = [a / b for a, b in zip(wall, bare_wall, strict=True)]
-        cpu_ratio = [a / b for a, b in zip(cpu, bare_cpu, strict=True)]
         print(
-            f"| {label} | {images / statistics.median(wall):.0f} | {images / min(wall):.0f} | "
-            f"{images / statistics.median(cpu):.0f} | {images / min(cpu):.0f} | "
-            f"{ratio_summary(wall_ratio)} | {ratio_summary(cpu_ratio)} | {describe(results[label])} |"
-        )
-
-
-def ratio_summary(ratios: list[float]) -> str:
-    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+            markdown_row(
+                label, f"{images / statistics.median(wall):.0f}", f"{images / min(wall):.0f}",
+                f"{images / statistics.median(cpu):.0f}", f"{images / min(cpu):.0f}",
+                ratio_spread(wall, bare_wall), ratio_spread(cpu, bare_cpu), describe(results[label]),
+            )
+        )  # fmt: skip
 
 
 def describe(result: dict) -> str:
@@ -238,12 +219,7 @@ def main() -> None:
     from clipkit.eval.evaluate import run_evals
     from clipkit.registry import default_registry
 
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"accelerate {accelerate.__version__}, "
-        f"clipkit {clipkit.__version__}, torch threads {torch.get_num_threads()}, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print(machine_line(("accelerate", accelerate.__version__), ("clipkit", clipkit.__version__)))
     registry = default_registry()
     with tempfile.TemporaryDirectory(prefix="clipkit-eval-bench-") as folder:
         root = Path(folder)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from measure import cpu_seconds, interleaved, ratio_spread, spread
 from PIL import Image
 
 from clipkit.data.transforms import ImageTransform, decode_for_eval, decode_transformed
@@ -62,27 +61,21 @@ def main() -> None:
             0
         ],
     }
-    times: dict[str, list[float]] = {name: [] for name in rows}
-    order = list(rows)
-    for round_index in range(args.repeats + 1):
-        random.Random(round_index).shuffle(order)
-        for name in order:
-            start = time.process_time()
-            for data in images:
-                rows[name](data)
-            if round_index:  # round 0 warms up
-                times[name].append((time.process_time() - start) / len(images) * 1000)
+
+    def ms_per_image(row) -> float:
+        return cpu_seconds(lambda: [row(data) for data in images]) / len(images) * 1000
+
+    for row in rows.values():
+        ms_per_image(row)  # warm-up
+    calls = {name: (lambda row=row: ms_per_image(row)) for name, row in rows.items()}
+    times = interleaved(calls, args.repeats)
     print(
         f"{len(images)} {origin}, S = {args.size}, {args.repeats} rounds, ms CPU per image (median, min–max)"
     )
     for name, values in times.items():
-        print(f"  {name:28s} {statistics.median(values):6.2f}  {min(values):6.2f}–{max(values):.2f}")
+        print(f"  {name:28s} {spread(values, 2)}")
     exact, fast = times.values()
-    ratios = [e / f for e, f in zip(exact, fast, strict=True)]  # per round: both rows ran in it
-    print(
-        f"  exact / fast, per round: median {statistics.median(ratios):.2f}, "
-        f"{min(ratios):.2f}–{max(ratios):.2f}"
-    )
+    print(f"  exact / fast, per round (both rows ran in it): {ratio_spread(exact, fast, 2)}")
 
 
 if __name__ == "__main__":

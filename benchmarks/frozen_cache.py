@@ -21,13 +21,12 @@ whole run including epoch 1, and of the per-round ratio uncached / cached. One t
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from measure import machine_line, markdown_header, ratio_spread, spread
 
 from clipkit.recipe import load_recipe, section, validate_or_raise
 from clipkit.registry import default_registry
@@ -91,22 +90,16 @@ def main() -> None:
             results[name].append(
                 run(recipe, registry, directory, name == "cached", steps_per_epoch, args.epochs)
             )
-    print(f"python {platform.python_version()}, torch {torch.__version__}, recipe {args.recipe}, n={args.n}, "
+    print(f"{machine_line(load=False)}, recipe {args.recipe}, n={args.n}, "
           f"batch {section(recipe, 'data').batch_size}, {args.epochs} epochs x {steps_per_epoch} steps, "
           f"{args.repeats} rounds")  # fmt: skip
-    print("| runner | CPU s/step, epochs 2.. | CPU s/step, whole run | captions encoded |")
-    print("|---|---|---|---|")
+    print(markdown_header("runner", "CPU s/step, epochs 2..", "CPU s/step, whole run", "captions encoded"))
     for name, runs in results.items():
-        print(f"| {name} | {spread([r['warm'] for r in runs])} | {spread([r['all'] for r in runs])} | "
+        print(f"| {name} | {spread([r['warm'] for r in runs], 4)} | {spread([r['all'] for r in runs], 4)} | "
               f"{runs[0]['encoded'] if name == 'cached' else 'every caption, every step'} |")  # fmt: skip
     for key, what in (("warm", "epochs 2.."), ("all", "whole run")):
-        ratios = [u[key] / c[key] for u, c in zip(results["uncached"], results["cached"], strict=True)]
-        print(f"speed-up (uncached / cached, same round), {what}: {spread(ratios, 2)}x")
-
-
-def spread(values: list[float], digits: int = 4) -> str:
-    """median (min-max)"""
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        uncached, cached = ([r[key] for r in results[name]] for name in ("uncached", "cached"))
+        print(f"speed-up (uncached / cached, same round), {what}: {ratio_spread(uncached, cached, 2)}x")
 
 
 if __name__ == "__main__":

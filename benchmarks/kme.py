@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
-import statistics
-import time
 from functools import partial
 
 import torch
+from measure import cpu_seconds, interleaved, machine_line, markdown_row, ratio_spread, spread
 
 from clipkit.plugins.similarities import kme
 from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
@@ -90,23 +88,14 @@ def measure(runs: list, expected_seconds: float, repeats: int) -> list[tuple[lis
     if expected_seconds <= 5:
         for run in runs:
             run()  # warm-up
-    seconds = [[] for _ in runs]
-    for _ in range(repeats):
-        for index, run in enumerate(runs):
-            start = time.process_time()
-            run()
-            seconds[index].append(time.process_time() - start)
-    return [(times, peak_allocated_bytes(run)[1]) for times, run in zip(seconds, runs, strict=True)]
-
-
-def spread(values: list[float], digits: int = 3) -> str:
-    """median (min–max)"""
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    calls = {str(index): (lambda run=run: cpu_seconds(run)) for index, run in enumerate(runs)}
+    seconds = interleaved(calls, repeats, shuffle=False)
+    return [(seconds[str(index)], peak_allocated_bytes(run)[1]) for index, run in enumerate(runs)]
 
 
 def ratio(slow: list[float], fast: list[float]) -> str:
     """Median (min–max) over rounds of slow/fast within the same round."""
-    return spread([a / b for a, b in zip(slow, fast, strict=True)], 2)
+    return ratio_spread(slow, fast, 2)
 
 
 def kme_case(logits_fn, a, b, gamma, backward: bool):
@@ -256,16 +245,12 @@ def measure_gemm_rate(dim: int) -> float:
     """FLOP/s of one [1024, d] × [d, 1024] fp32 GEMM (the block-wise path's tile), best of 5."""
     a, b = torch.randn(1024, dim), torch.randn(dim, 1024)
     a @ b
-    best = math.inf
-    for _ in range(5):
-        start = time.process_time()
-        a @ b
-        best = min(best, time.process_time() - start)
+    best = min(cpu_seconds(lambda: a @ b) for _ in range(5))
     return 2 * 1024 * 1024 * dim / best
 
 
 def row(*cells) -> None:
-    print("| " + " | ".join(str(cell) for cell in cells) + " |", flush=True)
+    print(markdown_row(*cells), flush=True)
 
 
 def format_bytes(count: int) -> str:
@@ -273,9 +258,7 @@ def format_bytes(count: int) -> str:
 
 
 def print_header(args: argparse.Namespace, gemm_rate: float) -> None:
-    machine = platform.processor() or platform.machine()
-    print(f"python {platform.python_version()}, torch {torch.__version__}, {machine}, ", end="")
-    print(f"torch threads {torch.get_num_threads()}, d = {args.dim}, fp32")
+    print(f"{machine_line(load=False)}, d = {args.dim}, fp32")
     print(f"fp32 GEMM [1024, {args.dim}] × [{args.dim}, 1024]: {gemm_rate / 1e9:.0f} GFLOP/s")
     print()
 

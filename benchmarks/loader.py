@@ -36,7 +36,6 @@ import glob
 import io
 import json
 import math
-import platform
 import random
 import shutil
 import statistics
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from measure import cpu_seconds, interleaved, machine_line, ratio_spread, spread
 from PIL import Image
 
 from clipkit.data.decoders import SimpleJpegDecoder, default_decoder
@@ -297,7 +297,7 @@ def print_stages(totals: dict[str, list[float]], factors: list[int]) -> None:
     print("|---|---|---|")
     for stage, values in totals.items():
         median = statistics.median(values)
-        print(f"| {stage} | {median:.0f} ({min(values):.0f}–{max(values):.0f}) | {median / whole:.0%} |")
+        print(f"| {stage} | {spread(values, 0)} | {median / whole:.0%} |")
     print(f"| sum of medians | {whole:.0f} | 100% |")
 
 
@@ -309,17 +309,12 @@ def time_loader(rows: dict, photos: list[bytes], images: int, repeats: int) -> d
     for run in rows.values():
         for i, data in enumerate(work[: len(photos)]):
             run(i, data)
-    rates = {label: [] for label in rows}
-    order = list(rows)
-    for _ in range(repeats):
-        random.Random(len(rates[order[0]])).shuffle(order)
-        for label in order:
-            run = rows[label]
-            start = time.process_time()
-            for i, data in enumerate(work):
-                run(i, data)
-            rates[label].append(images / (time.process_time() - start))
-    return rates
+
+    def rate(run) -> float:
+        """Images per CPU second of one pass of ``run`` over the work."""
+        return images / cpu_seconds(lambda: [run(i, data) for i, data in enumerate(work)])
+
+    return interleaved({label: (lambda run=run: rate(run)) for label, run in rows.items()}, repeats)
 
 
 def time_sharding(
@@ -355,16 +350,6 @@ def time_sharding(
     return results, manifest
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -382,10 +367,8 @@ def main() -> None:
         f"{args.images} images per run, {args.repeats} runs after a warm-up, "
         f"torch threads {torch.get_num_threads()}"
     )
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, pillow {PIL.__version__} "
-        f"(libjpeg-turbo {PIL.features.version('libjpeg_turbo')}), CPU {cpu_model()}"
-    )
+    libjpeg = f"{PIL.__version__} (libjpeg-turbo {PIL.features.version('libjpeg_turbo')})"
+    print(machine_line(("pillow", libjpeg), threads=False, load=False))
 
     if not args.skip_loader:
         print_loader_table(time_loader(loader_rows(args, photos), photos, args.images, args.repeats))
@@ -398,12 +381,6 @@ def main() -> None:
             print_stages(time_stages(args, photos), factors)
     if not args.skip_shard:
         print_shard_table(args, photos)
-
-
-def ratio_range(values: list[float], reference: list[float]) -> str:
-    """Median (min–max) over rounds of values[r] / reference[r]: ratios within one round."""
-    ratios = [value / ref for value, ref in zip(values, reference, strict=True)]
-    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
 FLOOR_NAMES = {
@@ -425,12 +402,8 @@ def print_loader_table(rates: dict[str, list[float]]) -> None:
     print("|---|---|---|---|" + "---|" * len(floors))
     for label, values in rates.items():
         median = statistics.median(values)
-        cells = [ratio_range(values, rates[PLAIN])] + [ratio_range(values, rates[floor]) for floor in floors]
-        print(
-            f"| {label} | {median:.0f} ({min(values):.0f}–{max(values):.0f}) | {1e3 / median:.2f} | "
-            + " | ".join(cells)
-            + " |"
-        )
+        cells = [ratio_spread(values, rates[reference], 2) for reference in (PLAIN, *floors)]
+        print(f"| {label} | {spread(values, 0)} | {1e3 / median:.2f} | " + " | ".join(cells) + " |")
 
 
 def print_shard_table(args: argparse.Namespace, photos: list[bytes]) -> None:

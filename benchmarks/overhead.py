@@ -38,15 +38,13 @@ import copy
 import itertools
 import math
 import os
-import platform
-import random
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from measure import clocks, interleaved, machine_line, markdown_header, ratio_spread, spread
 from torch import nn
 
 
@@ -227,12 +225,6 @@ def runners_for(spec: str, args: argparse.Namespace, root: Path) -> tuple[dict[s
 # --- timing ---
 
 
-def clocks() -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process). With one thread the CPU time counts the work
-    done and little of the waiting for a core that other processes hold, so it drifts less."""
-    return time.perf_counter(), time.process_time()
-
-
 def mean_step(ends: list[tuple[float, float]]) -> tuple[float, float]:
     """Mean (wall, CPU) seconds per step of one run, without its first and last step."""
     (wall_start, cpu_start), (wall_stop, cpu_stop) = ends[1], ends[-2]
@@ -247,13 +239,8 @@ def time_runners(runners: dict[str, Callable], steps: int, repeats: int) -> tupl
     for label, run in runners.items():
         ends = run(steps)
         first_steps[label] = ends[1][0] - ends[0][0]
-    means = {label: [] for label in runners}
-    order = list(runners)
-    for round_index in range(repeats):
-        random.Random(round_index).shuffle(order)
-        for label in order:
-            means[label].append(mean_step(runners[label](steps)))
-    return means, first_steps
+    rounds = {label: (lambda run=run: mean_step(run(steps))) for label, run in runners.items()}
+    return interleaved(rounds, repeats), first_steps
 
 
 def bare_label_of(label: str) -> str:
@@ -266,34 +253,29 @@ def print_table(summary: str, means: dict[str, list], first_steps: dict[str, flo
     print(summary)
     print()
     print(
-        "| loop | wall ms/step (median) | wall ms/step (best) | CPU ms/step (median) | CPU ms/step (best) "
-        "| × bare, wall | × bare, CPU | first step, s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+        markdown_header(
+            "loop", "wall ms/step (median)", "wall ms/step (best)", "CPU ms/step (median)",
+            "CPU ms/step (best)", "× bare, wall", "× bare, CPU", "first step, s",
+        )
+    )  # fmt: skip
     for label, values in means.items():
         wall, cpu = zip(*values, strict=True)
         bare_wall, bare_cpu = zip(*means[bare_label_of(label)], strict=True)
-        wall_ratios = [a / b for a, b in zip(wall, bare_wall, strict=True)]
-        cpu_ratios = [a / b for a, b in zip(cpu, bare_cpu, strict=True)]
         print(
             f"| {label} | {statistics.median(wall) * 1e3:.2f} | {min(wall) * 1e3:.2f} | "
             f"{statistics.median(cpu) * 1e3:.2f} | {min(cpu) * 1e3:.2f} | "
-            f"{ratio_summary(wall_ratios)} | {ratio_summary(cpu_ratios)} | {first_steps[label]:.2f} |"
+            f"{ratio_spread(wall, bare_wall)} | {ratio_spread(cpu, bare_cpu)} | {first_steps[label]:.2f} |"
         )
     for label in means:
         if "compile_towers" in label:
             eager = label.partition(", compile_towers")[0]
             ratios = [a[1] / b[1] for a, b in zip(means[label], means[eager], strict=True)]
-            print(f"{label} / {eager}, CPU time per round: {ratio_summary(ratios)}")
+            print(f"{label} / {eager}, CPU time per round: {spread(ratios)}")
     print()
     print(
         "× bare: the median over rounds of (this loop's step time / the bare loop's in the same round), "
         "with the lowest and highest round in brackets."
     )
-
-
-def ratio_summary(ratios: list[float]) -> str:
-    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
 def main() -> None:
@@ -303,12 +285,7 @@ def main() -> None:
 
     import clipkit
 
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"accelerate {accelerate.__version__}, "
-        f"clipkit {clipkit.__version__}, CPU {cpu_model()}, torch threads {torch.get_num_threads()}, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print(machine_line(("accelerate", accelerate.__version__), ("clipkit", clipkit.__version__)))
     print(
         f"{args.steps} steps per run ({args.steps - 2} timed), {args.repeats} rounds after a warm-up run, "
         f"{args.batches} in-memory batches"
@@ -322,16 +299,6 @@ def main() -> None:
             runners, _, summary = runners_for(spec, args, root)
             means, first_steps = time_runners(runners, args.steps, args.repeats)
             print_table(summary, means, first_steps)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

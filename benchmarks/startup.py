@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import subprocess
 import time
+
+from measure import spread
 
 
 def children_cpu() -> float:
@@ -37,10 +38,6 @@ def measure(commands: list[str], runs: int) -> list[list[tuple[float, float]]]:
     return [[run_once(command) for command in commands] for _ in range(runs)]
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("commands", nargs="+")
@@ -54,7 +51,7 @@ def main() -> None:
         wall = [r[c][1] for r in rounds]
         cpu_ratio = [r[c][0] / r[0][0] for r in rounds]
         wall_ratio = [r[c][1] / r[0][1] for r in rounds]
-        cells = [spread(cpu), spread(cpu_ratio), spread(wall), spread(wall_ratio)]
+        cells = [spread(values, 2) for values in (cpu, cpu_ratio, wall, wall_ratio)]
         print(f"| `{command}` | " + " | ".join(cells) + " |")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
+from measure import interleaved, markdown_header, ratio_spread, spread  # noqa: E402
 
 from clipkit import api  # noqa: E402
 from clipkit.data.loader import BatchStream  # noqa: E402
@@ -110,27 +110,24 @@ def main() -> None:
 
 def run(sources: dict[str, str], args) -> None:
     images = args.batches * args.batch_size
-    cpu: dict[str, list[float]] = {name: [] for name in sources}
-    wall: dict[str, list[float]] = {name: [] for name in sources}
     for spec in sources.values():  # warm-up: imports, connections, page cache
         time_source(spec, 1, args.batch_size)
-    order = list(sources)
-    for round_ in range(args.rounds):
-        random.Random(round_).shuffle(order)
-        for name in order:
-            seconds, elapsed = time_source(sources[name], args.batches, args.batch_size)
-            cpu[name].append(images / seconds)
-            wall[name].append(images / elapsed)
+
+    def one_round(spec: str) -> tuple[float, float]:
+        return time_source(spec, args.batches, args.batch_size)
+
+    calls = {name: (lambda spec=spec: one_round(spec)) for name, spec in sources.items()}
+    rounds = interleaved(calls, args.rounds)
+    cpu = {name: [images / seconds for seconds, _ in timings] for name, timings in rounds.items()}
+    wall = {name: [images / elapsed for _, elapsed in timings] for name, timings in rounds.items()}
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, data {args.data}")
     print(f"{images} images per source per round, {args.rounds} rounds, {args.per_shard} samples per shard")
-    print("| source | img/s/core (CPU), median (min–max) | × local per round (min–max) | img/s wall |")
-    print("|---|---|---|---|")
+    columns = ("source", "img/s/core (CPU), median (min–max)", "× local per round (min–max)", "img/s wall")
+    print(markdown_header(*columns))
     local = cpu["local disk"]
     for name in sources:
-        ratios = [a / b for a, b in zip(cpu[name], local, strict=True)]
         print(
-            f"| {name} | {statistics.median(cpu[name]):.0f} ({min(cpu[name]):.0f}–{max(cpu[name]):.0f}) "
-            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) "
+            f"| {name} | {spread(cpu[name], 0)} | {ratio_spread(cpu[name], local, 2)} "
             f"| {statistics.median(wall[name]):.0f} |"
         )
 

@@ -27,13 +27,14 @@ import torch
 
 from clipkit import __version__
 from clipkit.artifacts import one_line, read_yaml_mapping
+from clipkit.dotted import get_path
 from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.export_reader import FORMAT, METADATA, WEIGHTS
 from clipkit.integrity import describe_files
 from clipkit.io import Kept, OutputKind, atomic_directory, claim_output_directory, tensor_bytes
 from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
-from clipkit.recipe import SLOTS, get_path, section, validate_or_raise
+from clipkit.recipe import SLOTS, section, validate_or_raise
 from clipkit.registry import Registry
 from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 

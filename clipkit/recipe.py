@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from clipkit.dotted import get_path, lookup
 from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, close_matches
 from clipkit.registry import Registry
 from clipkit.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.recipe.DataConfig
@@ -222,7 +223,7 @@ class _Estimate:
 
     def cost(self, path: tuple, depth: int) -> tuple[int, int, int]:
         """(characters, reference steps, chain height) of the value at ``path``."""
-        found, node, path = _lookup(self.raw, path)
+        found, node, path = lookup(self.raw, path)
         if not found or path in self.active:
             return (0, 1, 0)  # a missing key or a cycle: OmegaConf reports it when it resolves
         if path in self.memo:
@@ -304,7 +305,7 @@ class _Estimate:
     def redirect(self, target: tuple, hops: int) -> tuple:
         """``target`` with any prefix that is itself a bare ``${key}`` replaced by where it points."""
         for cut in range(len(target) - 1, 0, -1):
-            found, node, _ = _lookup(self.raw, target[:cut])
+            found, node, _ = lookup(self.raw, target[:cut])
             if found and isinstance(node, str) and hops < MAX_INTERPOLATION_DEPTH:
                 refs = self.references(target[:cut], node) if node.startswith("${") else []
                 if len(refs) == 1 and refs[0][1] == len(node):
@@ -321,22 +322,6 @@ def _absolute(path: tuple, parts: list[str]) -> tuple:
     if dots > 1:
         base = base[: max(len(base) - (dots - 1), 0)]
     return (*base, *parts[dots:])
-
-
-def _lookup(raw: Any, path: tuple) -> tuple[bool, Any, tuple]:
-    """(found, the node at ``path``, ``path`` with the keys as stored: list indices as ints)."""
-    node, canonical = raw, []
-    for part in path:
-        numeric = str(part).lstrip("-").isdigit()
-        if numeric and (isinstance(node, list) or isinstance(node, dict) and part not in node):
-            part = int(part)
-        in_dict = isinstance(node, dict) and part in node
-        if in_dict or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-            canonical.append(part)
-        else:
-            return False, None, path
-    return True, node, tuple(canonical)
 
 
 def parse_override(item: str, where: str) -> tuple[str, Any]:
@@ -687,16 +672,6 @@ def _unknown_key(path: str, key: str, known, context: str = "") -> str:
     hint = f"; did you mean {', '.join(matches)}?" if matches else ""
     context = f" {context}" if context else ""
     return f"{path}: unknown key{context}{hint} (known: {', '.join(sorted(known))})"
-
-
-def get_path(recipe: dict, path: str) -> Any:
-    """The value at dotted ``path`` of a plain-dict recipe, or None when any part is missing."""
-    node: Any = recipe
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def section(recipe: dict, name: str):

@@ -32,6 +32,7 @@ from clipkit.constraints import (  # noqa: F401 — re-exported: plugins import 
     annotated_constraints,
     parameter_constraints,
 )
+from clipkit.dotted import lookup
 
 #: ``torch.compile`` modes, plus "none" (eager). "reduce-overhead" adds CUDA graphs on GPUs;
 #: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
@@ -187,26 +188,15 @@ def _host_constraints() -> dict[str, Any]:
 #: derived from the classes above.
 HOST: dict[str, Any] = _host_constraints()
 
-_MISSING = object()
-
 
 def check_host(recipe: dict) -> list[str]:
     """'key.path: message' for every host setting outside its declared values."""
     errors = []
     for path, constraint in HOST.items():
-        value = _lookup(recipe, path)
-        if value is _MISSING:
+        found, value, _ = lookup(recipe, path)
+        if not found:
             continue
         problem = constraint.problem(value)
         if problem:
             errors.append(f"{path}: {problem}")
     return errors
-
-
-def _lookup(recipe: dict, path: str) -> Any:
-    node: Any = recipe
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from clipkit.dotted import get_path
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -28,7 +30,7 @@ class RunEvents:
     def evals(self, results: list[dict]) -> None:
         trainer = self.trainer
         if trainer.runtime.is_main:
-            step = int(trainer.recipe.get("train", {}).get("steps", 0) or 0)
+            step = int(get_path(trainer.recipe, "train.steps") or 0)
             trainer.registry.pm.hook.on_evals(step=step, results=results, run=trainer.run)
 
 

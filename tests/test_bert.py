@@ -14,6 +14,7 @@ generator, drawn in that order), evaluated on ``DISTIL_TOKENS`` with ``attention
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import subprocess
 import sys
@@ -136,6 +137,30 @@ def test_wordpiece_rejects_bare_string(tiny_tokenizer):
 def make_encoder(**kwargs) -> BertTextEncoder:
     torch.manual_seed(0)
     return distilbert_tiny(embed_dim=EMBED_DIM, vocab_size=VOCAB, context_length=CONTEXT, **kwargs)
+
+
+def test_distilbert_tiny_is_a_preset_of_distilbert():
+    """Built through registry.preset like the other tiny presets: the same recipe arguments and
+    defaults as the hand-written factory it replaced, and the same tower as ``distilbert`` at
+    those sizes (same seed, identical weights)."""
+    empty = inspect.Parameter.empty
+    parameters = inspect.signature(distilbert_tiny).parameters
+    assert {name: p.default for name, p in parameters.items()} == {
+        "embed_dim": empty, "vocab_size": empty, "context_length": empty, "layers": 2, "width": 64,
+        "heads": 2, "ffn": 128, "max_positions": 512, "output": "cls", "weights": None,
+        "grad_checkpointing": False,
+    }  # fmt: skip
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters.values())
+    tiny = make_encoder()
+    torch.manual_seed(0)
+    full = distilbert(
+        embed_dim=EMBED_DIM, vocab_size=VOCAB, context_length=CONTEXT, layers=2, width=64, heads=2, ffn=128
+    )
+    assert type(tiny) is type(full) and not tiny.frozen
+    tiny_state, full_state = tiny.state_dict(), full.state_dict()
+    assert tiny_state.keys() == full_state.keys()
+    assert all(torch.equal(tiny_state[key], full_state[key]) for key in tiny_state)
+    assert make_encoder(layers=1, width=32, heads=4, ffn=64).state_dict().keys() != tiny_state.keys()
 
 
 def tokens() -> torch.Tensor:

@@ -345,3 +345,96 @@ def test_the_checker_catches_a_missing_path_command_option_and_key(tmp_path):
     assert _option_problems(where, "--overwrit") == [
         "doc.md:1: no clipkit command or repository script takes `--overwrit`"
     ]
+
+
+# ----------------------------------------------------------------------------- METHODS citations
+# Code, recipes and docs cite the methods page as "METHODS §N" (or "METHODS.md §N", lists such as
+# "METHODS §2, §3, §11" or "§7 and §11", ranges "§1–3", subsections "§11.1"); docs/methods.md keeps
+# the numbering, and every cited section must be one of its headings.
+
+METHODS_DOC = ROOT / "docs" / "methods.md"
+CITING = ("clipkit", "plugins", "recipes", "docs", "benchmarks", "tests", "tools", "README.md")
+CITING_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt"}
+_SECTION = r"\d+(?:\.\d+)?(?:\s*[–-]\s*\d+)?"
+CITATION_RE = re.compile(rf"METHODS(?:\.md)?\s+§\s*({_SECTION}(?:\s*(?:,|and|&)\s*§\s*{_SECTION})*)")
+HEADING_RE = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)\.?\s", re.MULTILINE)
+
+
+def methods_sections(doc: Path) -> set[str]:
+    """The section numbers of the methods page's headings ("## 11. ..." -> "11", "### 11.1 ..." -> "11.1")."""
+    return set(HEADING_RE.findall(doc.read_text(encoding="utf-8")))
+
+
+def cited_sections(text: str) -> list[tuple[int, str]]:
+    """(line, section) for every METHODS section ``text`` cites; a range §a–b cites a … b."""
+    cited = []
+    for match in CITATION_RE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        for first, last in re.findall(r"(\d+(?:\.\d+)?)(?:\s*[–-]\s*(\d+))?", match.group(1)):
+            if last and "." not in first:
+                cited += [(line, str(n)) for n in range(int(first), int(last) + 1)]
+            else:
+                cited.append((line, first))
+    return cited
+
+
+def citing_files(root: Path) -> list[Path]:
+    files = []
+    for name in CITING:
+        top = root / name
+        candidates = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+        files += [path for path in candidates if path.is_file() and path.suffix in CITING_SUFFIXES]
+    return files
+
+
+def dangling_citations(root: Path, doc: Path) -> list[str]:
+    """'file:line: METHODS §N' for every citation under ``root`` that no heading of ``doc`` resolves."""
+    sections = methods_sections(doc)
+    problems = []
+    for path in citing_files(root):
+        for line, section in cited_sections(path.read_text(encoding="utf-8", errors="replace")):
+            if section not in sections:
+                where = f"{path.relative_to(root)}:{line}"
+                problems.append(f"{where}: METHODS §{section} has no section in {doc.name}")
+    return problems
+
+
+def test_every_methods_citation_resolves_to_a_section_of_docs_methods():
+    assert METHODS_DOC.is_file(), "docs/methods.md is missing: every METHODS §N citation points into it"
+    # Guard: the scan reads the repository (an empty scan would pass).
+    assert sum(len(cited_sections(p.read_text(encoding="utf-8"))) for p in citing_files(ROOT)) > 100
+    problems = dangling_citations(ROOT, METHODS_DOC)
+    assert not problems, "METHODS citations without a section:\n" + "\n".join(problems)
+
+
+def test_methods_doc_covers_every_built_in_loss_and_similarity():
+    text = METHODS_DOC.read_text(encoding="utf-8")
+    missing = [
+        f"{kind} `{entry.name}`"
+        for kind in ("loss", "similarity")
+        for entry in _registry().entries(kind)
+        if entry.factory.__module__.startswith("clipkit.plugins.") and f"`{entry.name}`" not in text
+    ]
+    assert not missing, "docs/methods.md does not describe: " + ", ".join(missing)
+
+
+def test_the_citation_resolver_catches_a_dangling_citation(tmp_path):
+    cite = "METHODS"  # split from "§" so that this file cites nothing itself
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "methods.md"
+    doc.write_text("# Methods\n\n## 1. CLIP\n\n## 2. WPSE\n\n### 2.1 Kernels\n\n## 3. KME\n")
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "loss.py").write_text(
+        f'"""A loss ({cite}.md §2, §3 and §2.1).\n\nSee {cite} §1–3; and {cite} §4.\n"""\n'
+        f"# {cite} §2.2, then {cite}.md §9 and §1\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "README.md").write_text(f"| recipe | paper ({cite} §) |\nseed 004 §2.3: a paper's section\n")
+    assert methods_sections(doc) == {"1", "2", "2.1", "3"}
+    expected = [(1, "1"), (1, "2"), (1, "3"), (1, "2.1"), (1, "11")]
+    assert cited_sections(f"{cite} §1–3, §2.1 and §11") == expected
+    assert dangling_citations(tmp_path, doc) == [
+        f"plugins/loss.py:3: {cite} §4 has no section in methods.md",
+        f"plugins/loss.py:5: {cite} §2.2 has no section in methods.md",
+        f"plugins/loss.py:5: {cite} §9 has no section in methods.md",
+    ]

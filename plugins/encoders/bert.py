@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from clipkit.errors import ClipkitError
 from clipkit.integrity import artifact_root
 from clipkit.plugins.tokenizers.wordpiece import packaged_model_dir
+from clipkit.registry import preset
 from clipkit.types import PointSet
 
 from .vit import check_heads, check_positive
@@ -372,34 +373,17 @@ def distilbert(
     )
 
 
-def distilbert_tiny(
-    *,
-    embed_dim: int,
-    vocab_size: int,
-    context_length: int,
-    layers: int = 2,
-    width: int = 64,
-    heads: int = 2,
-    ffn: int = 128,
-    max_positions: int = 512,
-    output: str = "cls",
-    weights: str | None = None,
-    grad_checkpointing: bool = False,
-) -> BertTextEncoder:
-    """A tiny DistilBERT for tests and CPU smoke runs (width 64, 2 layers, FFN 128)."""
-    return distilbert(
-        embed_dim=embed_dim,
-        vocab_size=vocab_size,
-        context_length=context_length,
-        layers=layers,
-        width=width,
-        heads=heads,
-        ffn=ffn,
-        max_positions=max_positions,
-        output=output,
-        weights=weights,
-        grad_checkpointing=grad_checkpointing,
-    )
+#: A tiny DistilBERT for tests and CPU smoke runs, as data over :func:`distilbert` like the other
+#: tiny presets. ``dropout`` and ``frozen`` are fixed (0, trainable): a smoke tower needs neither.
+distilbert_tiny = preset(
+    distilbert,
+    "A tiny DistilBERT for tests and CPU smoke runs (width 64, 2 layers, 2 heads, FFN 128).",
+    fixed={"dropout": 0.0, "frozen": False},
+    layers=2,
+    width=64,
+    heads=2,
+    ffn=128,
+)
 
 
 def read_minilm_config(model_dir: Path) -> dict:

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from clipkit.dotted import get_path
 from clipkit.hookspecs import hookimpl
 
 log = logging.getLogger("clipkit.progress")
@@ -33,7 +34,7 @@ def to_terminal() -> bool:
 
 @hookimpl
 def on_run_start(run, recipe, start_step):
-    steps = int((recipe.get("train") or {}).get("steps") or 0)
+    steps = int(get_path(recipe, "train.steps") or 0)
     _runs[str(run.directory)] = {"total": steps, "first": start_step, "started": time.monotonic()}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clipkit import install_hint
+from clipkit.dotted import get_path
 from clipkit.errors import ClipkitError
 from clipkit.hookspecs import hookimpl
 
@@ -42,7 +43,7 @@ _open: dict[str, list[Tracker]] = {}
 
 def report_to(recipe: dict) -> list[str]:
     """``train.report_to`` as a list of names (a string may hold several, comma-separated)."""
-    value = (recipe.get("train") or {}).get("report_to") or []
+    value = get_path(recipe, "train.report_to") or []
     names = value.split(",") if isinstance(value, str) else [str(item) for item in value]
     return [name.strip() for name in names if name.strip()]
 

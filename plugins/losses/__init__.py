@@ -1,5 +1,6 @@
-"""Built-in losses (``register_losses``), METHODS § in comments. Implementations are imported inside
-the hook (see :mod:`clipkit.plugins.encoders` for the pattern)."""
+"""Built-in losses (``register_losses``); the comments cite each one's section of docs/methods.md
+(METHODS §N). Implementations are imported inside the hook (see :mod:`clipkit.plugins.encoders` for
+the pattern)."""
 
 from clipkit.hookspecs import hookimpl
 

@@ -1,5 +1,6 @@
-"""Built-in similarities (``register_similarities``), METHODS § in comments. Implementations are
-imported inside the hook (see :mod:`clipkit.plugins.encoders` for the pattern)."""
+"""Built-in similarities (``register_similarities``); the comments cite each one's section of
+docs/methods.md (METHODS §N). Implementations are imported inside the hook (see
+:mod:`clipkit.plugins.encoders` for the pattern)."""
 
 from clipkit.hookspecs import hookimpl
 
