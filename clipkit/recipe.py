@@ -630,6 +630,10 @@ def _check_train(train: dict) -> list[str]:
     errors = _check_section(distributed, "train.distributed", DistributedConfig)
     if distributed.get("offload_params", "none") != "none" and distributed.get("zero_stage", 2) != 3:
         errors.append("train.distributed.offload_params: parameter offload needs zero_stage: 3")
+    if distributed.get("strategy") == "fsdp2" and train.get("precision") == "fp16":
+        from clipkit.train.runtime.fsdp2 import FP16_REFUSAL
+
+        errors.append(f"train.precision: {FP16_REFUSAL}")
     return errors
 
 
