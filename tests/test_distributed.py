@@ -1,10 +1,12 @@
-"""Several processes on CPU over gloo (issue 7): DDP and DeepSpeed ZeRO through the real launchers.
+"""Several processes on CPU over gloo (issue 7, issue 40): DDP, DeepSpeed ZeRO and FSDP2 through
+the real launchers.
 
-- DDP loss, gradients and per-sample state equal one process on the concatenated batch, for every
-  gather mode that is exact, with and without exact gradient accumulation
+- DDP and FSDP2 loss, gradients and per-sample state equal one process on the concatenated batch,
+  for every gather mode that is exact, with and without exact gradient accumulation
   (``tests/distributed/equivalence.py`` under ``torchrun``);
-- ``accelerate launch -m clipkit train`` with DDP and ZeRO 1/2/3 trains, checkpoints, resumes to the
-  same weights as an uninterrupted run, and exports (consolidating ZeRO partitions).
+- ``accelerate launch -m clipkit train`` with DDP, ZeRO 1/2/3 and FSDP2 trains, checkpoints,
+  resumes to the same weights as an uninterrupted run, and exports (consolidating ZeRO partitions,
+  gathering FSDP2 shards); DDP and FSDP2 resume each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -84,13 +86,30 @@ def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- DDP == one process
 
 
+EQUIVALENCE = HERE / "distributed" / "equivalence.py"
+
+
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
+def one_process(tmp_path_factory):
+    """The reference: one process on the whole batch."""
+    out = tmp_path_factory.mktemp("one-process")
+    run([sys.executable, str(EQUIVALENCE), str(out)], out)
+    return torch.load(out / "result-1.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory, one_process):
     out = tmp_path_factory.mktemp("equivalence")
-    script = HERE / "distributed" / "equivalence.py"
-    run([sys.executable, str(script), str(out)], out)
-    torchrun(script, str(out), cwd=out)
-    return tuple(torch.load(out / f"result-{world}.pt", weights_only=False) for world in (1, 2))
+    torchrun(EQUIVALENCE, str(out), cwd=out)
+    return one_process, torch.load(out / "result-2.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def sharded_equivalence(tmp_path_factory, one_process):
+    """The same cases with two FSDP2 processes (gradients gathered from the shards)."""
+    out = tmp_path_factory.mktemp("sharded-equivalence")
+    torchrun(EQUIVALENCE, str(out), "fsdp2", cwd=out)
+    return one_process, torch.load(out / "result-2-fsdp2.pt", weights_only=False)
 
 
 def assert_grads_close(got: dict, expected: dict, scale: float = 1.0) -> None:
@@ -151,6 +170,37 @@ def test_gather_without_grad_global_loss_gives_towers_one_over_world_size(equiva
     assert own, "the similarity has a learnable scale"
     assert_grads_close({k: ddp[case]["grads"][k] for k in towers}, towers, scale=0.5)
     assert_grads_close({k: ddp[case]["grads"][k] for k in own}, own)
+
+
+@pytest.mark.parametrize("case", EXACT + ACCUMULATED, ids=lambda c: f"{c[0]}-{'local' if c[2] else 'global'}-{c[3]}")
+def test_fsdp2_equals_one_process_on_the_concatenated_batch(sharded_equivalence, case):
+    """FSDP2's reduce-scatter (sharded towers) and the averaged similarity: the gradients of the
+    full batch, for every exact gather mode, with and without exact accumulation."""
+    single, sharded = sharded_equivalence
+    full = (case[0], case[1], case[2], 0)
+    assert sharded[case]["loss"] == pytest.approx(single[full]["loss"], rel=1e-6)
+    assert_grads_close(sharded[case]["grads"], single[full]["grads"])
+
+
+def test_fsdp2_gather_without_grad_is_as_documented(sharded_equivalence):
+    """CLOOB's mode under FSDP2 is DDP's: the towers get 1/W of the full-batch gradient, the
+    similarity's own parameters all of it."""
+    single, sharded = sharded_equivalence
+    case = ("infonce", False, False, 0)
+    expected = single[case]["grads"]
+    towers = {k: v for k, v in expected.items() if not k.startswith("similarity.")}
+    own = {k: v for k, v in expected.items() if k.startswith("similarity.")}
+    assert_grads_close({k: sharded[case]["grads"][k] for k in towers}, towers, scale=0.5)
+    assert_grads_close({k: sharded[case]["grads"][k] for k in own}, own)
+
+
+def test_fsdp2_per_sample_state_equals_one_process(sharded_equivalence):
+    single, sharded = sharded_equivalence
+    case = ("nuclr", True, False, 0)
+    reference, states = single[case]["state"][0], sharded[case]["state"]
+    for key, value in reference.items():
+        assert torch.equal(states[0][key], states[1][key]), key
+        assert torch.allclose(states[0][key], value, rtol=1e-6, atol=1e-7, equal_nan=True), key
 
 
 def test_differently_shaped_blocks_raise_instead_of_hanging(tmp_path):

@@ -127,14 +127,16 @@ class FSDP2Strategy:
         return contextlib.nullcontext()  # reduce-scatter every micro-batch: gradients stay sharded
 
     def backward(self, loss: torch.Tensor, model, *, last: bool) -> None:
+        """FSDP2 reduce-scatters the sharded gradients in the backward; the replicated ones are
+        averaged after the step's last backward (DDP's all-reduce, for the similarity)."""
         loss.backward()
+        if last:
+            average_gradients(self.replicated)
 
     # ------------------------------------------------------------------ the step
 
     def step(self, model, optimizer) -> StepResult:
-        """Average the replicated parameters' gradients, measure (and clip) the global norm, step
-        unless it is non-finite, zero the gradients."""
-        average_gradients(self.replicated)
+        """Measure (and clip) the global norm, step unless it is non-finite, zero the gradients."""
         norm = self._grad_norm(model)
         applied = math.isfinite(norm)
         if applied:
