@@ -172,7 +172,9 @@ def test_gather_without_grad_global_loss_gives_towers_one_over_world_size(equiva
     assert_grads_close({k: ddp[case]["grads"][k] for k in own}, own)
 
 
-@pytest.mark.parametrize("case", EXACT + ACCUMULATED, ids=lambda c: f"{c[0]}-{'local' if c[2] else 'global'}-{c[3]}")
+@pytest.mark.parametrize(
+    "case", EXACT + ACCUMULATED, ids=lambda c: f"{c[0]}-{'local' if c[2] else 'global'}-{c[3]}"
+)
 def test_fsdp2_equals_one_process_on_the_concatenated_batch(sharded_equivalence, case):
     """FSDP2's reduce-scatter (sharded towers) and the averaged similarity: the gradients of the
     full batch, for every exact gather mode, with and without exact accumulation."""
@@ -229,6 +231,11 @@ STRATEGIES = {
         "train.distributed.zero_stage=2",
         "train.precision=bf16",
     ],
+    # FSDP2: evaluation during training gathers the shards.
+    "fsdp2": ["train.distributed.strategy=fsdp2", "train.eval_every=2"],
+    "fsdp2-accumulated": ["train.distributed.strategy=fsdp2", "train.micro_batch_size=4"],
+    # The mixed-precision policy: bf16 towers, fp32 gradient reduction and optimiser shards.
+    "fsdp2-bf16": ["train.distributed.strategy=fsdp2", "train.precision=bf16"],
 }
 # SGD (not Adam, whose normalised steps would hide a wrongly scaled gradient), and a logit scale
 # starting above its clamp (100), which the forward pass applies to the (sharded) parameter.
@@ -257,7 +264,7 @@ def shards(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_launch_train_checkpoint_resume_export(shards, strategy):
-    if strategy != "ddp":
+    if strategy.startswith("zero"):
         pytest.importorskip("deepspeed")
     root = shards
     full, resumed = root / f"{strategy}-full", root / f"{strategy}-resumed"
@@ -288,7 +295,7 @@ def test_launch_train_checkpoint_resume_export(shards, strategy):
     assert evaluated.exit_code == 0 and "zero_shot" in evaluated.output, evaluated.output
     logged = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert [row["logit_scale"] for row in logged if "logit_scale" in row] == [100.0] * 4  # clamped
-    if strategy == "zero3":
+    if strategy in ("zero3", "fsdp2"):
         assert any(key.startswith("eval/") for row in logged for key in row)  # gathered for evaluation
     # DeepSpeed's CPU inference all-reduce kernel is never compiled (a minute of g++ per environment).
     assert not list((root / "torch_extensions").rglob("*shm_comm*")), "DeepSpeed compiled its shm kernel"
@@ -304,3 +311,38 @@ def test_zero_trains_the_same_weights_as_ddp(shards, strategy):
     ddp, zero = (load_checkpoint(list_checkpoints(run)[-1])["model"] for run in runs.values())
     for key, tensor in ddp.items():
         assert torch.allclose(zero[key], tensor, rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-accumulated"])
+def test_fsdp2_trains_the_same_weights_as_ddp(shards, strategy):
+    """fp32 FSDP2 (also with exact accumulation) and DDP take the same SGD steps, up to the order of
+    floating-point operations (reduce-scatter instead of all-reduce)."""
+    runs = {name: shards / f"{name}-full" for name in ("ddp", strategy)}
+    if not all(list_checkpoints(run) for run in runs.values()):
+        pytest.skip("needs the launch tests' runs")
+    ddp, sharded = (load_checkpoint(list_checkpoints(run)[-1]) for run in runs.values())
+    assert sharded["strategy"] == "fsdp2" and (list_checkpoints(runs[strategy])[-1] / "fsdp2").is_dir()
+    for key, tensor in ddp["model"].items():
+        assert torch.allclose(sharded["model"][key], tensor, rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize(("written", "resumed_as"), [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+def test_ddp_and_fsdp2_resume_each_others_checkpoints(shards, written, resumed_as):
+    """A run checkpointed at step 2 under one strategy continues under the other (the same
+    processes) to the weights and optimiser state of the uninterrupted run, to fp32 tolerance."""
+    full = shards / f"{written}-full"
+    if not list_checkpoints(full):
+        pytest.skip("needs the launch test's run")
+    target = shards / f"{written}-resumed-as-{resumed_as}"
+    (target / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "recipe.yaml", target / "recipe.yaml")
+    shutil.copytree(full / "checkpoints" / "step-00000002", target / "checkpoints" / "step-00000002")
+    strategy = f"train.distributed.strategy={resumed_as}"
+    accelerate_launch("train", "quickstart@smoke", "train.export=false", strategy, "--resume", "--run-dir",
+                      str(target), cwd=shards)  # fmt: skip
+    expected = load_checkpoint(list_checkpoints(full)[-1])
+    got = load_checkpoint(list_checkpoints(target)[-1])
+    assert got["step"] == 4 and got["strategy"] == resumed_as
+    for key, tensor in expected["model"].items():
+        assert torch.allclose(got["model"][key], tensor, rtol=1e-5, atol=1e-6), key
+    assert got["schedule"] == expected["schedule"] and got["data"] == expected["data"]

@@ -218,7 +218,10 @@ def test_grad_checkpointing_switch_gives_the_same_gradients(registry, in_tmp):
     ("override", "message"),
     [
         ("train.nonfinite=ignore", "train.nonfinite: must be one of stop, skip"),
-        ("train.distributed.strategy=fsdp", "train.distributed.strategy: must be one of ddp, deepspeed, fsdp2"),
+        (
+            "train.distributed.strategy=fsdp",
+            "train.distributed.strategy: must be one of ddp, deepspeed, fsdp2",
+        ),
         ("train.distributed.zero_stage=4", "train.distributed.zero_stage: must be one of 0, 1, 2, 3"),
         ("train.distributed.gather_grad=true", "train.distributed.gather_grad: unknown key"),
         ("train.distributed.offload_params=cpu", "parameter offload needs zero_stage: 3"),

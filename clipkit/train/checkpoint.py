@@ -279,7 +279,7 @@ def save_trainer(trainer: Trainer, step: int) -> Path:
 
     def state() -> dict:
         return {
-            **runtime_part,  # model, optimizer, scaler (None under DeepSpeed/FSDP2: in their shards), strategy
+            **runtime_part,  # model, optimizer, scaler (None under DeepSpeed/FSDP2: in their shards)
             "schedule": trainer.schedule.state_dict(),
             "loss": trainer.loss.state_dict() if isinstance(trainer.loss, torch.nn.Module) else None,
             "data": trainer.stream.position(),

@@ -38,7 +38,16 @@ from clipkit.train.runtime import collectives
 from clipkit.train.runtime.strategy import HALF, StepResult, Strategy
 from clipkit.types import PointSet
 
-__all__ = ["HALF", "BatchPlan", "Runtime", "StepResult", "launched_as_main", "rng_state", "set_rng_state"]
+__all__ = [
+    "HALF",
+    "BatchPlan",
+    "Runtime",
+    "StepResult",
+    "check_resumable",
+    "launched_as_main",
+    "rng_state",
+    "set_rng_state",
+]
 
 
 @dataclass(frozen=True)
@@ -347,7 +356,9 @@ def check_resumable(strategy: str, checkpoint: Path, state: dict) -> None:
     form = checkpoint_form(checkpoint, state)
     if form in RESUMES_FROM[strategy]:
         return
-    saved_as = {"deepspeed": "DeepSpeed ZeRO partitions", "fsdp2": "FSDP2 shards", "ddp": "whole weights"}[form]
+    saved_as = {"deepspeed": "DeepSpeed ZeRO partitions", "fsdp2": "FSDP2 shards", "ddp": "whole weights"}[
+        form
+    ]
     raise ClipkitError(
         f"{checkpoint}: written by a train.distributed.strategy={form} run ({saved_as}), which "
         f"strategy={strategy} cannot resume (DeepSpeed keeps its optimiser state in its own partition "

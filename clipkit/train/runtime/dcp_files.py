@@ -169,6 +169,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
         for name in (
             "Metadata",
             "TensorStorageMetadata",
+            "BytesStorageMetadata",
             "ChunkStorageMetadata",
             "TensorProperties",
             "MetadataIndex",
@@ -227,7 +228,9 @@ def check_files(checkpoint: Path) -> None:
     metadata = read_metadata(checkpoint)
     entries = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(entries, dict):
-        raise ArtifactError(f"{directory(checkpoint) / METADATA}: not DCP metadata; the checkpoint is damaged")
+        raise ArtifactError(
+            f"{directory(checkpoint) / METADATA}: not DCP metadata; the checkpoint is damaged"
+        )
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     pickled = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))

@@ -153,7 +153,9 @@ def by_index(optimizer_state: dict, model, optimizer) -> dict:
         for parameter in group["params"]:
             slots = optimizer_state["state"].get(names.get(id(parameter)))
             if slots:
-                state[position] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in slots.items()}
+                state[position] = {
+                    k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in slots.items()
+                }
             indices.append(position)
             position += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, **saved, "params": indices})

@@ -272,7 +272,9 @@ def load_full_optimizer_state(optimizer, full: dict[int, dict]) -> None:
         converted = {}
         for slot, value in slots.items():
             if is_dtensor(parameter) and isinstance(value, torch.Tensor) and value.shape == parameter.shape:
-                value = distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements)
+                value = distribute_tensor(
+                    value.to(parameter.device), parameter.device_mesh, parameter.placements
+                )
             converted[slot] = value
         if converted:
             state[parameter] = converted
