@@ -35,15 +35,11 @@ import torch
 import torch.distributed as dist
 
 from clipkit.errors import ClipkitError
+from clipkit.recipe import FSDP2_FP16_REFUSAL
 from clipkit.train.runtime import dcp_files, wrapping
 from clipkit.train.runtime.strategy import HALF, StepResult
 
-FP16_REFUSAL = (
-    "train.precision=fp16 is not supported with train.distributed.strategy=fsdp2: fp16 needs loss "
-    "scaling, and torch's GradScaler cannot unscale FSDP2's sharded gradients together with the "
-    "similarity's replicated ones; use train.precision=bf16 (no loss scaling needed), or fp16 with "
-    "strategy ddp or deepspeed"
-)
+FP16_REFUSAL = FSDP2_FP16_REFUSAL
 
 
 def ensure_process_group(device: torch.device) -> None:
