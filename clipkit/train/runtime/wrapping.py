@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from clipkit.types import optional_member
+
 TOWERS = ("image_encoder", "text_encoder")
 
 
@@ -35,7 +37,7 @@ def towers(model: nn.Module) -> list[nn.Module]:
 
 def blocks(tower: nn.Module) -> list[nn.Module]:
     """The tower's blocks: what its ``sharding_blocks()`` declares, else the default (above)."""
-    declared = getattr(tower, "sharding_blocks", None)
+    declared = optional_member(tower, "sharding_blocks")
     if callable(declared):
         chosen = list(declared())
         for block in chosen:
