@@ -559,10 +559,12 @@ def validate_command(
         typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
         typer.echo("\n".join(knob_lines(resolved)))
     api.check_data(resolved, registry())
-    from clipkit.recipe import section
+    from clipkit.recipe import distributed_config, section
     from clipkit.tiled.settings import explain
+    from clipkit.train.runtime import sharding
 
     typer.echo(explain(resolved, registry(), section(resolved, "data").batch_size))
+    typer.echo(sharding.explain(distributed_config(resolved), section(resolved, "train").precision))
     typer.echo(f"{resolved['name']}: ok")
 
 

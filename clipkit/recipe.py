@@ -618,6 +618,15 @@ def _check_values(recipe: dict, reported: list[str]) -> list[str]:
     return errors
 
 
+#: Why FSDP2 refuses fp16 (clipkit.train.runtime.fsdp2 says it too, for a recipe not validated).
+FSDP2_FP16_REFUSAL = (
+    "train.precision=fp16 is not supported with train.distributed.strategy=fsdp2: fp16 needs loss "
+    "scaling, and torch's GradScaler cannot unscale FSDP2's sharded gradients together with the "
+    "similarity's replicated ones; use train.precision=bf16 (no loss scaling needed), or fp16 with "
+    "strategy ddp or deepspeed"
+)
+
+
 def _check_train(train: dict) -> list[str]:
     distributed = train.get("distributed") or {}
     if not isinstance(distributed, dict):
@@ -625,6 +634,8 @@ def _check_train(train: dict) -> list[str]:
     errors = _check_section(distributed, "train.distributed", DistributedConfig)
     if distributed.get("offload_params", "none") != "none" and distributed.get("zero_stage", 2) != 3:
         errors.append("train.distributed.offload_params: parameter offload needs zero_stage: 3")
+    if distributed.get("strategy") == "fsdp2" and train.get("precision") == "fp16":
+        errors.append(f"train.precision: {FSDP2_FP16_REFUSAL}")
     return errors
 
 

@@ -160,8 +160,9 @@ class DistributedConfig:
       no grad  + global loss   (CLOOB, CyCLIP)    towers get 1/world_size of the full-batch gradient
     """
 
-    # "ddp" (DistributedDataParallel; one process: plain) or "deepspeed"
-    strategy: Annotated[str, OneOf(("ddp", "deepspeed"))] = "ddp"
+    # "ddp" (DistributedDataParallel; one process: plain), "deepspeed" (ZeRO) or "fsdp2" (torch's
+    # fully_shard: parameters, gradients and optimiser state sharded over the processes)
+    strategy: Annotated[str, OneOf(("ddp", "deepspeed", "fsdp2"))] = "ddp"
     zero_stage: Annotated[int, OneOf((0, 1, 2, 3))] = 2  # DeepSpeed ZeRO stage 0-3 (strategy: deepspeed)
     # "none" or "cpu" (ZeRO-Offload; DeepSpeed builds CPUAdam on first use)
     offload_optimizer: Annotated[str, OneOf(("none", "cpu"))] = "none"

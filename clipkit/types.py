@@ -296,6 +296,9 @@ class Encoder(Protocol):
             projection module; the linear probe's ``features: pre_projection`` reads its input.
         grad_checkpointing: bool — any sub-module with this switch is turned on by
             ``train.grad_checkpointing``.
+        sharding_blocks: ``() -> list[nn.Module]`` | None = None — the sub-modules FSDP2 shards
+            one by one (``train.distributed.strategy=fsdp2``); None: the members of the tower's
+            outermost ``nn.ModuleList``s (clipkit.train.runtime.wrapping).
     """
 
     def __call__(self, inputs: Tensor) -> PointSet: ...
@@ -364,6 +367,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "tiled_loss": None,  # Loss: tiled path
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
     "projection_module_name": None,  # Encoder
+    "sharding_blocks": None,  # Encoder: FSDP2's units (clipkit.train.runtime.wrapping)
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a
     # pretrained text tower needs, e.g. {"name": "wordpiece", "vocab": "minilm"}; None: any tokenizer.
     "required_tokenizer": None,

@@ -1,10 +1,12 @@
-"""Several processes on CPU over gloo (issue 7): DDP and DeepSpeed ZeRO through the real launchers.
+"""Several processes on CPU over gloo (issue 7, issue 40): DDP, DeepSpeed ZeRO and FSDP2 through
+the real launchers.
 
-- DDP loss, gradients and per-sample state equal one process on the concatenated batch, for every
-  gather mode that is exact, with and without exact gradient accumulation
+- DDP and FSDP2 loss, gradients and per-sample state equal one process on the concatenated batch,
+  for every gather mode that is exact, with and without exact gradient accumulation
   (``tests/distributed/equivalence.py`` under ``torchrun``);
-- ``accelerate launch -m clipkit train`` with DDP and ZeRO 1/2/3 trains, checkpoints, resumes to the
-  same weights as an uninterrupted run, and exports (consolidating ZeRO partitions).
+- ``accelerate launch -m clipkit train`` with DDP, ZeRO 1/2/3 and FSDP2 trains, checkpoints,
+  resumes to the same weights as an uninterrupted run, and exports (consolidating ZeRO partitions,
+  gathering FSDP2 shards); DDP and FSDP2 resume each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -84,13 +86,30 @@ def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- DDP == one process
 
 
+EQUIVALENCE = HERE / "distributed" / "equivalence.py"
+
+
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
+def one_process(tmp_path_factory):
+    """The reference: one process on the whole batch."""
+    out = tmp_path_factory.mktemp("one-process")
+    run([sys.executable, str(EQUIVALENCE), str(out)], out)
+    return torch.load(out / "result-1.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory, one_process):
     out = tmp_path_factory.mktemp("equivalence")
-    script = HERE / "distributed" / "equivalence.py"
-    run([sys.executable, str(script), str(out)], out)
-    torchrun(script, str(out), cwd=out)
-    return tuple(torch.load(out / f"result-{world}.pt", weights_only=False) for world in (1, 2))
+    torchrun(EQUIVALENCE, str(out), cwd=out)
+    return one_process, torch.load(out / "result-2.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def sharded_equivalence(tmp_path_factory, one_process):
+    """The same cases with two FSDP2 processes (gradients gathered from the shards)."""
+    out = tmp_path_factory.mktemp("sharded-equivalence")
+    torchrun(EQUIVALENCE, str(out), "fsdp2", cwd=out)
+    return one_process, torch.load(out / "result-2-fsdp2.pt", weights_only=False)
 
 
 def assert_grads_close(got: dict, expected: dict, scale: float = 1.0) -> None:
@@ -153,6 +172,39 @@ def test_gather_without_grad_global_loss_gives_towers_one_over_world_size(equiva
     assert_grads_close({k: ddp[case]["grads"][k] for k in own}, own)
 
 
+@pytest.mark.parametrize(
+    "case", EXACT + ACCUMULATED, ids=lambda c: f"{c[0]}-{'local' if c[2] else 'global'}-{c[3]}"
+)
+def test_fsdp2_equals_one_process_on_the_concatenated_batch(sharded_equivalence, case):
+    """FSDP2's reduce-scatter (sharded towers) and the averaged similarity: the gradients of the
+    full batch, for every exact gather mode, with and without exact accumulation."""
+    single, sharded = sharded_equivalence
+    full = (case[0], case[1], case[2], 0)
+    assert sharded[case]["loss"] == pytest.approx(single[full]["loss"], rel=1e-6)
+    assert_grads_close(sharded[case]["grads"], single[full]["grads"])
+
+
+def test_fsdp2_gather_without_grad_is_as_documented(sharded_equivalence):
+    """CLOOB's mode under FSDP2 is DDP's: the towers get 1/W of the full-batch gradient, the
+    similarity's own parameters all of it."""
+    single, sharded = sharded_equivalence
+    case = ("infonce", False, False, 0)
+    expected = single[case]["grads"]
+    towers = {k: v for k, v in expected.items() if not k.startswith("similarity.")}
+    own = {k: v for k, v in expected.items() if k.startswith("similarity.")}
+    assert_grads_close({k: sharded[case]["grads"][k] for k in towers}, towers, scale=0.5)
+    assert_grads_close({k: sharded[case]["grads"][k] for k in own}, own)
+
+
+def test_fsdp2_per_sample_state_equals_one_process(sharded_equivalence):
+    single, sharded = sharded_equivalence
+    case = ("nuclr", True, False, 0)
+    reference, states = single[case]["state"][0], sharded[case]["state"]
+    for key, value in reference.items():
+        assert torch.equal(states[0][key], states[1][key]), key
+        assert torch.allclose(states[0][key], value, rtol=1e-6, atol=1e-7, equal_nan=True), key
+
+
 def test_differently_shaped_blocks_raise_instead_of_hanging(tmp_path):
     torchrun(HERE / "distributed" / "mismatch.py", str(tmp_path / "message.txt"), cwd=tmp_path)
     message = (tmp_path / "message.txt").read_text()
@@ -179,6 +231,11 @@ STRATEGIES = {
         "train.distributed.zero_stage=2",
         "train.precision=bf16",
     ],
+    # FSDP2: evaluation during training gathers the shards.
+    "fsdp2": ["train.distributed.strategy=fsdp2", "train.eval_every=2"],
+    "fsdp2-accumulated": ["train.distributed.strategy=fsdp2", "train.micro_batch_size=4"],
+    # The mixed-precision policy: bf16 towers, fp32 gradient reduction and optimiser shards.
+    "fsdp2-bf16": ["train.distributed.strategy=fsdp2", "train.precision=bf16"],
 }
 # SGD (not Adam, whose normalised steps would hide a wrongly scaled gradient), and a logit scale
 # starting above its clamp (100), which the forward pass applies to the (sharded) parameter.
@@ -207,7 +264,7 @@ def shards(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_launch_train_checkpoint_resume_export(shards, strategy):
-    if strategy != "ddp":
+    if strategy.startswith("zero"):
         pytest.importorskip("deepspeed")
     root = shards
     full, resumed = root / f"{strategy}-full", root / f"{strategy}-resumed"
@@ -238,7 +295,7 @@ def test_launch_train_checkpoint_resume_export(shards, strategy):
     assert evaluated.exit_code == 0 and "zero_shot" in evaluated.output, evaluated.output
     logged = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert [row["logit_scale"] for row in logged if "logit_scale" in row] == [100.0] * 4  # clamped
-    if strategy == "zero3":
+    if strategy in ("zero3", "fsdp2"):
         assert any(key.startswith("eval/") for row in logged for key in row)  # gathered for evaluation
     # DeepSpeed's CPU inference all-reduce kernel is never compiled (a minute of g++ per environment).
     assert not list((root / "torch_extensions").rglob("*shm_comm*")), "DeepSpeed compiled its shm kernel"
@@ -254,3 +311,38 @@ def test_zero_trains_the_same_weights_as_ddp(shards, strategy):
     ddp, zero = (load_checkpoint(list_checkpoints(run)[-1])["model"] for run in runs.values())
     for key, tensor in ddp.items():
         assert torch.allclose(zero[key], tensor, rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-accumulated"])
+def test_fsdp2_trains_the_same_weights_as_ddp(shards, strategy):
+    """fp32 FSDP2 (also with exact accumulation) and DDP take the same SGD steps, up to the order of
+    floating-point operations (reduce-scatter instead of all-reduce)."""
+    runs = {name: shards / f"{name}-full" for name in ("ddp", strategy)}
+    if not all(list_checkpoints(run) for run in runs.values()):
+        pytest.skip("needs the launch tests' runs")
+    ddp, sharded = (load_checkpoint(list_checkpoints(run)[-1]) for run in runs.values())
+    assert sharded["strategy"] == "fsdp2" and (list_checkpoints(runs[strategy])[-1] / "fsdp2").is_dir()
+    for key, tensor in ddp["model"].items():
+        assert torch.allclose(sharded["model"][key], tensor, rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize(("written", "resumed_as"), [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+def test_ddp_and_fsdp2_resume_each_others_checkpoints(shards, written, resumed_as):
+    """A run checkpointed at step 2 under one strategy continues under the other (the same
+    processes) to the weights and optimiser state of the uninterrupted run, to fp32 tolerance."""
+    full = shards / f"{written}-full"
+    if not list_checkpoints(full):
+        pytest.skip("needs the launch test's run")
+    target = shards / f"{written}-resumed-as-{resumed_as}"
+    (target / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "recipe.yaml", target / "recipe.yaml")
+    shutil.copytree(full / "checkpoints" / "step-00000002", target / "checkpoints" / "step-00000002")
+    strategy = f"train.distributed.strategy={resumed_as}"
+    accelerate_launch("train", "quickstart@smoke", "train.export=false", strategy, "--resume", "--run-dir",
+                      str(target), cwd=shards)  # fmt: skip
+    expected = load_checkpoint(list_checkpoints(full)[-1])
+    got = load_checkpoint(list_checkpoints(target)[-1])
+    assert got["step"] == 4 and got["strategy"] == resumed_as
+    for key, tensor in expected["model"].items():
+        assert torch.allclose(got["model"][key], tensor, rtol=1e-5, atol=1e-6), key
+    assert got["schedule"] == expected["schedule"] and got["data"] == expected["data"]

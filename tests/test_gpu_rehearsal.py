@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "gpu" / "run.sh"
-PARTS = ["ceilings", "vit_step", "kme", "batch_wall", "loader"]
+PARTS = ["ceilings", "vit_step", "kme", "batch_wall", "loader", "scaleout"]
 
 
 def rehearse(results: Path, *parts: str, **budgets: str) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def rehearse(results: Path, *parts: str, **budgets: str) -> subprocess.Completed
     }
     env.pop("CLIPKIT_GPU_TESTS_ON_CPU", None)
     return subprocess.run(
-        ["bash", str(RUN), str(results), *parts], env=env, capture_output=True, text=True, timeout=600
+        ["bash", str(RUN), str(results), *parts], env=env, capture_output=True, text=True, timeout=900
     )
 
 

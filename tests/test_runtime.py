@@ -4,6 +4,7 @@ gradient checkpointing, recipe checks, the DeepSpeed config, and kill -9 then bi
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import re
@@ -218,7 +219,10 @@ def test_grad_checkpointing_switch_gives_the_same_gradients(registry, in_tmp):
     ("override", "message"),
     [
         ("train.nonfinite=ignore", "train.nonfinite: must be one of stop, skip"),
-        ("train.distributed.strategy=fsdp", "train.distributed.strategy: must be one of ddp, deepspeed"),
+        (
+            "train.distributed.strategy=fsdp",
+            "train.distributed.strategy: must be one of ddp, deepspeed, fsdp2",
+        ),
         ("train.distributed.zero_stage=4", "train.distributed.zero_stage: must be one of 0, 1, 2, 3"),
         ("train.distributed.gather_grad=true", "train.distributed.gather_grad: unknown key"),
         ("train.distributed.offload_params=cpu", "parameter offload needs zero_stage: 3"),
@@ -264,8 +268,9 @@ def test_deepspeed_config_is_derived_from_the_recipe():
 # ----------------------------------------------------------------------------- kill -9, then resume
 
 
-def train_command(run_dir: Path, *extra: str) -> list[str]:
+def train_command(run_dir: Path, *extra: str, strategy: str = "ddp") -> list[str]:
     overrides = ["train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+    overrides.append(f"train.distributed.strategy={strategy}")
     overrides.append("train.export=false")
     return [sys.executable, "-m", "clipkit", "train", SMOKE, *overrides, "--run-dir", str(run_dir), *extra]
 
@@ -295,9 +300,11 @@ def assert_identical(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])  # fsdp2: one process, DCP shards
+def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
+    command = functools.partial(train_command, strategy=strategy)
+    subprocess.run(command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
     expected = final_state(in_tmp / "reference")
     chooser = random.Random(int(os.environ.get("CLIPKIT_KILL_SEED", "7")))
     killed = 0
@@ -305,7 +312,7 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp):
         run_dir = in_tmp / f"killed-{attempt}"
         target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
         process = subprocess.Popen(
-            train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 300
         while newest_step(run_dir) < target and process.poll() is None:
@@ -319,7 +326,7 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp):
             continue
         killed += 1
         resume = ["--resume"] if list_checkpoints(run_dir) else []  # killed before the first one completed
-        subprocess.run(train_command(run_dir, *resume), cwd=in_tmp, env=env, check=True, capture_output=True)
+        subprocess.run(command(run_dir, *resume), cwd=in_tmp, env=env, check=True, capture_output=True)
         assert_identical(final_state(run_dir), expected)
     assert killed >= 2, "the kills should land before the 10-step runs finish"
 

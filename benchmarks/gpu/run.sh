@@ -14,6 +14,7 @@
 #   kme         KME fwd+bwd: Triton vs block-wise vs naive       $BUDGET_KME
 #   batch_wall  largest contrastive batch, full N×N InfoNCE      $BUDGET_BATCH_WALL
 #   loader      loader images/s vs what the step consumes        $BUDGET_LOADER
+#   scaleout    DDP vs ZeRO-2/3 vs FSDP2 step time, peak memory  $BUDGET_SCALEOUT
 #   summary     results.json (every figure) + table.md           -               results.json, table.md
 #
 # Not in the default list (name it): kme_tiles, the Triton KME kernels' forward and backward
@@ -41,7 +42,7 @@ shift
 mkdir -p "$results"
 results=$(cd "$results" && pwd)
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(install versions ceilings tests vit_step kme batch_wall loader summary)
+[ ${#parts[@]} -eq 0 ] && parts=(install versions ceilings tests vit_step kme batch_wall loader scaleout summary)
 
 rehearsal=${CLIPKIT_GPU_REHEARSAL:-0}
 [ "$rehearsal" = 0 ] && rehearsal=""
@@ -50,6 +51,8 @@ wheels=${CLIPKIT_GPU_WHEELS:-$repo/.whl}
 total=${CLIPKIT_GPU_TOTAL_S:-420}
 : "${BUDGET_INSTALL:=60}" "${BUDGET_CEILINGS:=30}" "${BUDGET_TESTS:=200}" "${BUDGET_VIT_STEP:=110}"
 : "${BUDGET_KME:=95}" "${BUDGET_BATCH_WALL:=45}" "${BUDGET_LOADER:=50}" "${BUDGET_KME_TILES:=70}"
+# A launch takes about a minute of wall time on a shared CPU: the rehearsal's scaleout gets more.
+if [ -n "$rehearsal" ]; then : "${BUDGET_SCALEOUT:=240}"; else : "${BUDGET_SCALEOUT:=120}"; fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/clipkit-gpu.XXXXXX")   # the parts' JSON files, merged at the end
 site=$work/site                                            # where carried wheels are installed
 trap 'rm -rf "$work"' EXIT
@@ -150,14 +153,14 @@ for part in "${parts[@]}"; do
             [ -d "$site" ] && export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} ;;
         versions) log versions; print_versions ;;
         tests) run_step tests "$BUDGET_TESTS" bash -c "$(declare -f run_tests); $(declare -p python rehearsal results); run_tests" ;;
-        ceilings | vit_step | kme | batch_wall | loader | kme_tiles)
+        ceilings | vit_step | kme | batch_wall | loader | scaleout | kme_tiles)
             budget_var=BUDGET_$(echo "$part" | tr a-z A-Z)
             run_step "$part" "${!budget_var}" "$python" "benchmarks/gpu/part_$part.py" --out "$work" ;;
         summary)
             log summary
             "$python" benchmarks/gpu/summarize.py --parts "$work" --status "$CLIPKIT_GPU_STATUS" \
                 --junit "$results/pytest.xml" --results "$results" ;;
-        *) log "unknown part $part (known: install versions ceilings tests vit_step kme batch_wall loader kme_tiles summary)" ;;
+        *) log "unknown part $part (known: install versions ceilings tests vit_step kme batch_wall loader scaleout kme_tiles summary)" ;;
     esac
 done
 log "done"

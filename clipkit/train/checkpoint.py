@@ -9,6 +9,9 @@
 - ``rng-<rank>.pt``: every RNG state of each process;
 - ``deepspeed/`` (DeepSpeed runs): each process's ZeRO partition of model and optimiser, whose layout
   only :mod:`clipkit.train.runtime.partitions` knows;
+- ``fsdp2/`` (FSDP2 runs): each process's shards of model and optimiser, written with
+  ``torch.distributed.checkpoint``, whose layout only :mod:`clipkit.train.runtime.dcp_files` knows
+  (their plain part, the optimiser's param groups, is in state.pt under ``sharded``);
 - ``checkpoint.json`` (written last): the sha256 of every other file, checked on load.
 
 Files hold only tensors and plain types and load with ``weights_only=True``: a checkpoint is never
@@ -44,7 +47,7 @@ from clipkit.errors import ArtifactError, ClipkitError
 from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
 from clipkit.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
 from clipkit.safe_load import decode_rng, encode_rng, load_file
-from clipkit.train.runtime import partitions, rng_state, set_rng_state
+from clipkit.train.runtime import dcp_files, partitions, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from clipkit.train.trainer import Trainer
@@ -161,7 +164,9 @@ def verify_checkpoint(path: Path) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"{manifest_path}: not a clipkit checkpoint manifest ({MANIFEST_FORMAT})")
     present = (str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
-    loaded = [n for n in present if n == STATE or n.startswith("rng-") or partitions.holds(n)]
+    loaded = [
+        n for n in present if n == STATE or n.startswith("rng-") or partitions.holds(n) or dcp_files.holds(n)
+    ]
     verify_files(path, manifest.get("files"), where=manifest_path, what="checkpoint", required=loaded)
 
 
@@ -190,6 +195,7 @@ def load_state(path: Path) -> dict[str, Any]:
     if policy().verify:
         verify_checkpoint(path)
     partitions.check_files(path)
+    dcp_files.check_files(path)
     state = load_file(path / STATE, "checkpoint state")
     return check_state(state, path / STATE)
 
@@ -223,11 +229,15 @@ def load_rng(path: Path, rank: int) -> dict[str, Any]:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's state with ``model`` always present: the fp32 weights, consolidated from
-    the ZeRO partitions for DeepSpeed runs (any stage; no process group needed)."""
+    the ZeRO partitions for DeepSpeed runs (any stage) or gathered from the shards for FSDP2 runs
+    (with their ``optimizer`` state too, keyed by parameter name); no process group needed."""
     state = load_state(path)
     if state.get("model") is not None and not isinstance(state["model"], dict):
         raise ArtifactError(f"{Path(path) / STATE}: `model` is not a state dict; the checkpoint is damaged")
-    if state.get("model") is None:
+    if state.get("model") is None and dcp_files.present(Path(path)):
+        model, state["optimizer"] = dcp_files.full_state(Path(path), state.get("sharded") or {})
+        state["model"] = {key: value.float().contiguous() for key, value in model.items()}
+    elif state.get("model") is None:
         state["model"] = partitions.consolidate(Path(path))
     return state
 
@@ -269,7 +279,7 @@ def save_trainer(trainer: Trainer, step: int) -> Path:
 
     def state() -> dict:
         return {
-            **runtime_part,  # model, optimizer, scaler (None under DeepSpeed: in its partitions)
+            **runtime_part,  # model, optimizer, scaler (None under DeepSpeed/FSDP2: in their shards)
             "schedule": trainer.schedule.state_dict(),
             "loss": trainer.loss.state_dict() if isinstance(trainer.loss, torch.nn.Module) else None,
             "data": trainer.stream.position(),

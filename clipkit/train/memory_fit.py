@@ -8,11 +8,13 @@ process may still use, and refuses (exit 2) or warns, naming the knobs that lowe
 The estimate, per process (``B``: the samples the towers encode at once — ``train.micro_batch_size``
 or the process's share of ``data.batch_size``; ``G``: the global batch the loss scores)::
 
-    weights + buffers                 as allocated (bytes of every parameter and buffer)
-  + gradients                         4 bytes x trainable parameters (fp32)
-  + optimiser state                   k x 4 bytes x trainable parameters (k = 2 for Adam(W), 1 SGD)
-  + optimiser step                    4 bytes x trainable parameters (foreach temporaries)
-  + DDP buckets                       4 bytes x trainable parameters (several processes only)
+    weights + buffers                 as allocated (bytes of every parameter and buffer) x s_w
+  + gradients                         4 bytes x trainable parameters (fp32) x s_g
+  + optimiser state                   k x 4 bytes x trainable parameters (k = 2 for Adam(W), 1 SGD) x s_o
+  + optimiser step                    4 bytes x trainable parameters (foreach temporaries) x s_o
+  + DDP buckets                       4 bytes x trainable parameters (DDP with several processes only)
+  + gathered blocks                   2 x the largest FSDP2 unit's parameters in the compute precision
+                                      (FSDP2 and ZeRO-3: the unit running and the one prefetched)
   + activations                       A(1) + (A(2) - A(1)) x (B - 1), measured (below)
   + logits                            24 bytes x rows x G (i2t and t2i, their softmax, gradients;
                                       rows = B with train.distributed.local_loss, else G);
@@ -20,14 +22,18 @@ or the process's share of ``data.batch_size``; ``G``: the global batch the loss 
   + batches in flight (host RAM)      (2 x workers + 2) x the bytes of one input batch
   + runtime (host RAM)                this process's resident memory now, less the weights
 
+The sharing factors ``s_w, s_g, s_o`` are 1, or 1/W where the strategy shards that term over the
+``W`` processes (:func:`clipkit.train.runtime.sharding.shares`): FSDP2 shards all three, ZeRO-1 the
+optimiser, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+
 ``A(b)``: the bytes of the tensors autograd saves for backward during a forward of the towers on a
 ``b``-sample batch of random inputs, counted by ``torch.autograd.graph.saved_tensors_hooks`` (each
 storage once, parameters excluded), in train mode, under the recipe's precision (autocast) and
 ``train.grad_checkpointing`` — the encoders' real activation memory, whatever their architecture,
 for two small forwards. Not counted: the allocator's caching and fragmentation, the transient
 buffers of backward (about one layer's activation), a similarity's own intermediates beyond the
-logits (KME/WPSE point sets), per-sample loss state (SogCLR/NUCLR: O(n) floats) and DeepSpeed's
-partitioning (ZeRO lowers the real need: the estimate is then an upper bound).
+logits (KME/WPSE point sets), per-sample loss state (SogCLR/NUCLR: O(n) floats), DeepSpeed's own buffers and
+FSDP2's padding of uneven shards.
 
 Accuracy, measured on CPU (``nuclr`` with a ResNet-50 at 256 px, fp32, no workers: peak RSS from
 ``/usr/bin/time -v``): batch 8 estimated 3.2 GiB, peak 3.2 GiB; batch 32 estimated 6.0 GiB, peak
@@ -67,7 +73,9 @@ LOGIT_BYTES = 24
 KNOBS = (
     "data.batch_size (a smaller batch), train.micro_batch_size (encode the batch in pieces), "
     "train.grad_checkpointing=true, train.precision=bf16 (or fp16), data.num_workers (fewer batches "
-    "in flight), model.frozen (no gradients or optimiser state for a locked tower)"
+    "in flight), model.frozen (no gradients or optimiser state for a locked tower), "
+    "train.distributed.strategy=fsdp2 with several processes (each holds 1/W of weights, gradients "
+    "and optimiser state)"
 )
 
 
@@ -196,25 +204,31 @@ def estimate_memory(
     ``tiling_refusal``: why the recipe cannot run tiled (clipkit.tiled.settings.recipe_refusal)."""
     from clipkit.recipe import distributed_config, section
     from clipkit.tiled import settings as tiled_settings
+    from clipkit.train.runtime.sharding import largest_unit_bytes, shares
 
     settings, model_section = section(recipe, "train"), section(recipe, "model")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    share = shares(distributed_config(recipe), world_size)
+    full_weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    weights = full_weights * share.weights + buffers
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+    compute_bytes = 2 if settings.precision in ("bf16", "fp16") else 4
     optimizer = str((recipe.get("optimizer") or {}).get("name", "adamw")).lower()
     per_forward = plan.micro_size if plan.micro_batches > 1 else plan.local_size
     rows = plan.local_size if distributed_config(recipe).local_loss else plan.global_size
     parts = {
-        "weights": weights,
-        "gradients": trainable,
-        "optimiser state": OPTIMIZER_STATE.get(optimizer, 2) * trainable,
-        "optimiser step": trainable,
-        "DDP buckets": trainable if world_size > 1 else 0,
+        "weights": int(weights),
+        "gradients": int(trainable * share.gradients),
+        "optimiser state": int(OPTIMIZER_STATE.get(optimizer, 2) * trainable * share.optimizer),
+        "optimiser step": int(trainable * share.optimizer),
+        "DDP buckets": trainable if share.buckets else 0,
+        "gathered blocks": 2 * largest_unit_bytes(model, compute_bytes) if share.gathers else 0,
         "activations": activation_bytes(model, per_forward, model_section.image_size, settings.precision),
         "logits": tiled_settings.logit_bytes(recipe, rows, plan.global_size, LOGIT_BYTES, tiling_refusal),
         "batches in flight": (2 * workers + 2)
         * input_batch_bytes(model, plan.local_size, model_section.image_size),
-        "runtime": max(0, (resident_bytes() or 0) - weights),  # the weights are in RAM until moved
+        # the whole weights are in RAM until moved (and sharded)
+        "runtime": max(0, (resident_bytes() or 0) - full_weights - buffers),
     }
     return Estimate(parts, device)
 

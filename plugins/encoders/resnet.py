@@ -163,6 +163,12 @@ class ResNet(nn.Module):
     def stages(self) -> list[nn.Sequential]:
         return [self.layer1, self.layer2, self.layer3, self.layer4]
 
+    def sharding_blocks(self) -> list[nn.Module]:
+        """The units FSDP2 shards one by one (``train.distributed.strategy=fsdp2``): every residual
+        block. The stages are ``nn.Sequential``s, which the default policy (``nn.ModuleList``
+        members) does not look into."""
+        return [block for stage in self.stages() for block in stage]
+
     def reset_parameters(self) -> None:
         """torchvision's init: convs Kaiming-normal (fan_out, ReLU), BN gain 1 / bias 0.
         The head keeps torch's default Linear init."""

@@ -1,9 +1,10 @@
 """Loss, gradients and per-sample state of one contrastive step, for every gather mode.
 
 Run as one process (the reference: the whole batch) or under ``torchrun --nproc_per_node 2``
-(each process encodes its half); ``tests/test_distributed.py`` compares the two. Writes
-``OUT/result-<world>.pt``: {case: {"loss", "grads", "state"}} from process 0, where "state" holds
-every process's per-sample loss buffers.
+(each process encodes its half), with DDP or, given a second argument ``fsdp2``, FSDP2;
+``tests/test_distributed.py`` compares them. Writes ``OUT/result-<world>[-fsdp2].pt``:
+{case: {"loss", "grads", "state"}} from process 0, where "state" holds every process's per-sample
+loss buffers and "grads" the whole gradients (FSDP2's shards gathered).
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ def run_case(rt, model, training_step, step, registry, batch, case, tiling=None)
         value = out.loss.detach().clone()
     else:
         total, out = step(local, 0, epoch)
-        total.backward()
+        rt.backward(total, step)
         value = total.detach().clone()
     if rt.world_size > 1:  # local losses differ per process; their mean is the full-batch loss
         dist.all_reduce(value)
         value /= rt.world_size
     named = model.named_parameters()
-    grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+    grads = {name: whole(p.grad).detach().clone() for name, p in named if p.grad is not None}
     stateful = isinstance(loss, torch.nn.Module)
     states = [{k: v.clone() for k, v in loss.state_dict().items()} if stateful else {}]
     if rt.world_size > 1:
@@ -100,11 +101,16 @@ def run_case(rt, model, training_step, step, registry, batch, case, tiling=None)
     return {"loss": float(value), "grads": grads, "state": states}
 
 
-def setup():
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A gradient in full: FSDP2's are sharded DTensors (gathering is a collective: every process)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def setup(strategy: str = "ddp"):
     """(runtime, plain model, its TrainingStep, that as prepared, registry, the fixed global batch)."""
     registry = default_registry()
     recipe = load_recipe("quickstart@smoke", [], registry=registry)
-    rt = Runtime(seed=0, distributed=DistributedConfig(), global_batch_size=BATCH)
+    rt = Runtime(seed=0, distributed=DistributedConfig(strategy=strategy), global_batch_size=BATCH)
     seed_everything(0)
     model = build_model(recipe, registry)
     batch = fixed_batch(model.tokenizer, recipe["model"]["image_size"])
@@ -115,14 +121,16 @@ def setup():
     return rt, model, training_step, step, registry, batch
 
 
-def main(out: Path) -> None:
-    rt, *rest = setup()
+def main(out: Path, strategy: str = "ddp") -> None:
+    rt, *rest = setup(strategy)
     results = {case: run_case(rt, *rest, case) for case in CASES}
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(results, out / f"result-{rt.world_size}.pt")
+        suffix = "" if strategy == "ddp" else f"-{strategy}"
+        torch.save(results, out / f"result-{rt.world_size}{suffix}.pt")
     rt.wait()
+    rt.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:])

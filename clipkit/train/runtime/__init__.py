@@ -38,7 +38,16 @@ from clipkit.train.runtime import collectives
 from clipkit.train.runtime.strategy import HALF, StepResult, Strategy
 from clipkit.types import PointSet
 
-__all__ = ["HALF", "BatchPlan", "Runtime", "StepResult", "launched_as_main", "rng_state", "set_rng_state"]
+__all__ = [
+    "HALF",
+    "BatchPlan",
+    "Runtime",
+    "StepResult",
+    "check_resumable",
+    "launched_as_main",
+    "rng_state",
+    "set_rng_state",
+]
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,10 @@ class Runtime:
         self._strategy = self._make_strategy(self.grad_clip)
 
     def _make_strategy(self, grad_clip: float) -> Strategy:
+        if self.config.strategy == "fsdp2":
+            from clipkit.train.runtime.fsdp2 import FSDP2Strategy
+
+            return FSDP2Strategy(self.device, precision=self.precision, grad_clip=grad_clip)
         if self.config.strategy != "deepspeed":
             from clipkit.train.runtime.ddp import DDPStrategy
 
@@ -195,6 +208,7 @@ class Runtime:
         :func:`clipkit.train.checkpoint.restore_trainer`'s.
         """
         if checkpoint is not None:
+            check_resumable(self.config.strategy, checkpoint, state)
             self._strategy.load_before_wrapping(model, optimizer, state, checkpoint)
         prepared_model, prepared_optimizer = self._strategy.prepare(model, optimizer)
         if checkpoint is not None:
@@ -206,7 +220,7 @@ class Runtime:
         process calls. DeepSpeed writes each process's ZeRO partition there; the returned dict is
         what the main process puts into state.pt (``model``, ``optimizer``, ``scaler``: the weights
         and the loss scale without DeepSpeed, None with it)."""
-        return self._strategy.save(model, optimizer, checkpoint)
+        return {**self._strategy.save(model, optimizer, checkpoint), "strategy": self.config.strategy}
 
     # ------------------------------------------------------------------ one step
 
@@ -320,9 +334,46 @@ class Runtime:
         destroy the process group, so no process exits while its collectives' threads still run (a
         rank was seen aborting at exit with "terminate called without an active exception"). What
         follows training (export, evaluation) is local to the main process."""
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self.accelerator.wait_for_everyone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # one process has a group only under FSDP2 (which needs one): nothing to wait for
+            if self.world_size > 1:
+                self.accelerator.wait_for_everyone()
             torch.distributed.destroy_process_group()
+
+
+#: What each strategy resumes from: the form a checkpoint's model and optimiser were saved in.
+RESUMES_FROM = {"ddp": ("ddp", "fsdp2"), "fsdp2": ("ddp", "fsdp2"), "deepspeed": ("deepspeed",)}
+
+
+def checkpoint_form(checkpoint: Path, state: dict) -> str:
+    """How a checkpoint holds its model and optimiser: "deepspeed" (ZeRO partitions), "fsdp2"
+    (DCP shards) or "ddp" (whole, in state.pt)."""
+    from clipkit.train.runtime import dcp_files, partitions
+
+    if partitions.directory(checkpoint).is_dir():
+        return "deepspeed"
+    if dcp_files.directory(checkpoint).is_dir():
+        return "fsdp2"
+    return "ddp"
+
+
+def check_resumable(strategy: str, checkpoint: Path, state: dict) -> None:
+    """Refuse, before anything loads, a checkpoint this strategy cannot resume: DDP and FSDP2
+    resume each other's (whole weights and optimiser in state.pt, or DCP shards gathered or
+    resharded); DeepSpeed's ZeRO partitions hold its optimiser in DeepSpeed's own flat layout, so a
+    DeepSpeed run resumes only under DeepSpeed, and DeepSpeed resumes nothing else."""
+    form = checkpoint_form(checkpoint, state)
+    if form in RESUMES_FROM[strategy]:
+        return
+    saved_as = {"deepspeed": "DeepSpeed ZeRO partitions", "fsdp2": "FSDP2 shards", "ddp": "whole weights"}[
+        form
+    ]
+    raise ClipkitError(
+        f"{checkpoint}: written by a train.distributed.strategy={form} run ({saved_as}), which "
+        f"strategy={strategy} cannot resume (DeepSpeed keeps its optimiser state in its own partition "
+        f"layout); resume with train.distributed.strategy={form}, or `clipkit export` the run and start a "
+        f"new one from the export (model.init)"
+    )
 
 
 def launched_as_main() -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from clipkit.errors import ArtifactError
 from clipkit.safe_load import first_line
+from clipkit.train.runtime import dcp_files
 from clipkit.train.runtime.strategy import HALF, StepResult
 
 
@@ -106,17 +107,13 @@ class DDPStrategy:
         }
 
     def load_before_wrapping(self, model, optimizer, state: dict, checkpoint: Path) -> None:
-        """state.pt's model and optimiser, loaded before DDP wraps them (every process loads the
-        same file, so DDP's initial broadcast changes nothing); a mismatch is reported as the
-        checkpoint's problem rather than a traceback."""
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
-            raise ArtifactError(
-                f"{Path(checkpoint) / 'state.pt'}: its model weights do not fit the recipe's model "
-                f"({first_line(error)}); resume with the recipe the run was trained with"
-            ) from error
+        """The checkpoint's model and optimiser, loaded before DDP wraps them (every process loads
+        the same, so DDP's initial broadcast changes nothing): state.pt's, or an FSDP2 run's shards
+        gathered whole (:mod:`~clipkit.train.runtime.dcp_files`)."""
+        if state.get("model") is None and dcp_files.present(checkpoint):
+            model_state, optimizer_state = dcp_files.full_state(checkpoint, state.get("sharded") or {})
+            state = {**state, "model": model_state, "optimizer": by_index(optimizer_state, model, optimizer)}
+        load_full_state(model, optimizer, state, checkpoint)
 
     def load_after_wrapping(self, model, checkpoint: Path, state: dict) -> None:
         """The fp16 loss scale (nothing else is left once the weights are loaded)."""
@@ -129,3 +126,37 @@ class DDPStrategy:
     def model_for_evaluation(self, model, plain, rebuild, device, is_main: bool):
         """The in-memory ``plain`` model on the main process (None elsewhere); ``rebuild`` is unused."""
         return plain if is_main else None
+
+
+def load_full_state(model, optimizer, state: dict, checkpoint: Path) -> None:
+    """state's full ``model`` and ``optimizer`` into the plain model and optimiser; a mismatch is
+    reported as the checkpoint's problem rather than a traceback."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
+        raise ArtifactError(
+            f"{Path(checkpoint) / 'state.pt'}: its model weights do not fit the recipe's model "
+            f"({first_line(error)}); resume with the recipe the run was trained with"
+        ) from error
+
+
+def by_index(optimizer_state: dict, model, optimizer) -> dict:
+    """An optimiser state keyed by parameter names (FSDP2's checkpoints) -> ``optimizer``'s own
+    ``state_dict`` form (keyed by position), for a plain ``optimizer`` over ``model``'s parameters."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    saved_groups = optimizer_state.get("param_groups") or []
+    position, state, groups = 0, {}, []
+    for index, group in enumerate(optimizer.param_groups):
+        saved = dict(saved_groups[index]) if index < len(saved_groups) else {}
+        indices = []
+        for parameter in group["params"]:
+            slots = optimizer_state["state"].get(names.get(id(parameter)))
+            if slots:
+                state[position] = {
+                    k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in slots.items()
+                }
+            indices.append(position)
+            position += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, **saved, "params": indices})
+    return {"state": state, "param_groups": groups}
