@@ -72,8 +72,8 @@ def measure_point(pair: str, path: str, n: int, dim: int, tile: int, device: str
     """One forward + backward of similarity + loss at batch n; runs in its own process."""
     import torch
 
+    from clipkit.contract.types import PointSet
     from clipkit.tiled import refusal
-    from clipkit.types import PointSet
 
     torch.set_num_threads(threads)
     similarity, loss, points = build(pair, dim)
@@ -118,8 +118,8 @@ def measure_point(pair: str, path: str, n: int, dim: int, tile: int, device: str
 
 def step(path: str, loss, similarity, a, b, targets, tile: int):
     """Similarity + loss forward and backward on the full or the tiled path -> the LossOutput."""
+    from clipkit.contract.types import LossContext
     from clipkit.tiled import tiled_global_loss
-    from clipkit.types import LossContext
 
     if path == "full":
         out = loss(similarity(a, b), targets, LossContext())
@@ -238,10 +238,10 @@ def demo(args) -> None:
     """One tiled InfoNCE forward + backward at batch ``args.demo`` in this process, with progress."""
     import torch
 
+    from clipkit.contract.types import LossContext, PointSet
     from clipkit.plugins.losses.infonce import InfoNCE
     from clipkit.plugins.similarities.dot import DotSimilarity
     from clipkit.tiled import tiled_global_loss, tiled_local_loss
-    from clipkit.types import LossContext, PointSet
 
     torch.set_num_threads(args.threads)
     n, dim, rows = args.demo, args.dim, args.local_rows or args.demo

@@ -1,9 +1,9 @@
 """Eval throughput: images/s of clipkit's ``zero_shot`` and ``retrieval`` tasks vs a bare loop, same model.
 
 Set-up (untimed): train ``--recipe`` (default ``clip@tiny``) for a few steps on a small synthetic
-shard set, export it (``clipkit.api.export``), load the export (``clipkit.export_reader.load_export``),
+shard set, export it (``clipkit.app.api.export``), load the export (``clipkit.artifacts.reader.load_export``),
 and write the evaluation images (``synthetic://shapes`` held-out split, ``--images`` of them) as
-shards with ``clipkit.api.shard``, so that every row reads the same PNG files from disk.
+shards with ``clipkit.app.api.shard``, so that every row reads the same PNG files from disk.
 
 Rows (timed; per task, everything from the shard files to the metric):
 
@@ -62,8 +62,8 @@ def parse_args() -> argparse.Namespace:
 
 def train_and_export(spec: str, steps: int, root: Path, registry):
     """Train ``spec`` briefly on small synthetic shards and export it; returns (model, export dir)."""
-    from clipkit import api
-    from clipkit.export_reader import load_export
+    from clipkit.app import api
+    from clipkit.artifacts.reader import load_export
 
     recipe = api.resolve(spec, [], registry)
     source = f"synthetic://shapes?n={int(recipe['data']['batch_size']) * 4}&split=train&image_size=48"
@@ -128,7 +128,7 @@ class PlainPreprocess:
 @torch.no_grad()
 def encode_in_batches(encode, items: list, batch_size: int = 256):
     """Concatenated PointSets of ``encode`` over batches of ``items`` (stacked tensors or text lists)."""
-    from clipkit.types import PointSet
+    from clipkit.contract.types import PointSet
 
     parts = []
     for start in range(0, len(items), batch_size):
@@ -215,9 +215,9 @@ def main() -> None:
     import accelerate
 
     import clipkit
-    from clipkit import api
+    from clipkit.app import api
+    from clipkit.contract.registry import default_registry
     from clipkit.eval.evaluate import run_evals
-    from clipkit.registry import default_registry
 
     print(machine_line(("accelerate", accelerate.__version__), ("clipkit", clipkit.__version__)))
     registry = default_registry()

@@ -6,7 +6,7 @@ the tiny ResNet image tower, on a small synthetic set so that epochs repeat quic
 a fresh trainer (same seed, same batches) and calls the loop's own ``train_step`` on the batches of
 the real loader for ``--epochs`` epochs:
 
-- cached: as clipkit trains (``clipkit.init_weights.FrozenOutputCache`` on the locked backbone);
+- cached: as clipkit trains (``clipkit.model.init_weights.FrozenOutputCache`` on the locked backbone);
 - uncached: the same trainer with the cache detached (the backbone runs every step).
 
 Timed in process CPU time (``time.process_time``: on shared cores, other jobs' load does not count
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from measure import machine_line, markdown_header, ratio_spread, spread
 
-from clipkit.recipe import load_recipe, section, validate_or_raise
-from clipkit.registry import default_registry
+from clipkit.config.recipe import load_recipe, section, validate_or_raise
+from clipkit.contract.registry import default_registry
 from clipkit.train.build import build_trainer
 from clipkit.train.loop import train_step
 

@@ -31,11 +31,11 @@ from functools import partial
 import torch
 from measure import cpu_seconds, interleaved, machine_line, markdown_row, ratio_spread, spread
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities import kme
 from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
 from clipkit.plugins.similarities.wpse import pooled_random_features, pooled_random_features_unfused
 from clipkit.train.memory import peak_allocated_bytes
-from clipkit.types import PointSet
 
 GRID_N = (64, 256, 1024, 4096)
 GRID_M = (1, 10, 50, 197)

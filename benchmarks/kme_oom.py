@@ -28,8 +28,8 @@ def mapped_bytes() -> int:
 def run_path(path: str, n: int, m: int, dim: int, backward: bool, budget: int, results) -> None:
     import torch
 
+    from clipkit.contract.types import PointSet
     from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
-    from clipkit.types import PointSet
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)

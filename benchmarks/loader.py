@@ -15,7 +15,7 @@ row once, so drifting load from other processes hits every row alike):
   full-size decode into numpy (the floor the 85 % goal is stated against), and its decode at the
   DCT scale (b) asks for per image (1/2 where every box maps onto whole reduced pixels, ...), i.e.
   the decode work (b) really does; then a step-by-step CPU-time breakdown of (b) with simplejpeg.
-- (c) shard writing: ``clipkit.api.shard`` of a temporary JSONL table of the photos (repeated to
+- (c) shard writing: ``clipkit.app.api.shard`` of a temporary JSONL table of the photos (repeated to
   ``--shard-images`` rows): samples/s, MB/s of image bytes in and of tar bytes out.
 
 Single process, ``torch.set_num_threads(1)``: figures are per core, in process CPU time. Each row
@@ -320,9 +320,9 @@ def time_loader(rows: dict, photos: list[bytes], images: int, repeats: int) -> d
 def time_sharding(
     photos: list[bytes], rows: int, repeats: int
 ) -> tuple[list[tuple[float, float, float]], dict]:
-    """[(samples/s, image MB/s in, tar MB/s out)] of clipkit.api.shard on a JSONL table of ``rows``
+    """[(samples/s, image MB/s in, tar MB/s out)] of clipkit.app.api.shard on a JSONL table of ``rows``
     rows cycling through ``photos`` (files in a temporary folder), and the last manifest."""
-    from clipkit.api import shard
+    from clipkit.app.api import shard
 
     results, manifest = [], {}
     with tempfile.TemporaryDirectory(prefix="clipkit-shard-bench-") as folder:
@@ -411,7 +411,7 @@ def print_shard_table(args: argparse.Namespace, photos: list[bytes]) -> None:
     samples, mb_in, mb_out = (statistics.median(column) for column in zip(*results, strict=True))
     print()
     print(
-        f"(c) clipkit.api.shard, JSONL table of {args.shard_images} rows, default options, "
+        f"(c) clipkit.app.api.shard, JSONL table of {args.shard_images} rows, default options, "
         f"{len(manifest['shards'])} shard(s), {manifest['n']} samples; median of {len(results)} runs"
     )
     print()

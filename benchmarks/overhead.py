@@ -69,8 +69,8 @@ def clipkit_runner(
     trainer, batches: list[dict], batch_size: int
 ) -> Callable[[int], list[tuple[float, float]]]:
     """Runs ``train_loop`` from step 0 to ``train.steps`` on in-memory batches."""
+    from clipkit.config.recipe import section
     from clipkit.data.memory import InMemoryStream
-    from clipkit.recipe import section
     from clipkit.train.loop import train_loop
 
     def run(steps: int) -> list[tuple[float, float]]:
@@ -88,7 +88,7 @@ def bare_runner(
     model: nn.Module, optimizer, batches: list[dict], recipe: dict
 ) -> Callable[[int], list[tuple[float, float]]]:
     """A plain PyTorch loop: what a user writes for this model without a framework."""
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
 
     train = section(recipe, "train")
     seed, log_every, total = int(recipe.get("seed", 0)), int(train.log_every), int(train.steps)
@@ -149,8 +149,8 @@ def same_optimizer_for(model: nn.Module, source_model: nn.Module, source_optimiz
 
 def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
     """(trainer, unwrapped model) of ``spec`` on a small temporary shard set; nothing trained yet."""
-    from clipkit.api import resolve
-    from clipkit.registry import default_registry
+    from clipkit.app.api import resolve
+    from clipkit.contract.registry import default_registry
     from clipkit.train.build import build_trainer, prepare_run_dir
 
     registry = default_registry()
@@ -180,7 +180,7 @@ def build(spec: str, overrides: list[str], steps: int, root: Path, name: str):
 
 def runners_for(spec: str, args: argparse.Namespace, root: Path) -> tuple[dict[str, Callable], dict, str]:
     """{label: runner} for one recipe (eager, and compiled per --compile mode), the recipe, a summary."""
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
     from clipkit.train.compile import compile_towers
 
     slug = spec.replace("@", "-").replace("+", "-")

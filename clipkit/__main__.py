@@ -1,5 +1,5 @@
 """``python -m clipkit`` (also what ``accelerate launch -m clipkit train ...`` runs)."""
 
-from clipkit.cli import main
+from clipkit.app.cli import main
 
 main()

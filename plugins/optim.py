@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from clipkit.hookspecs import hookimpl
-from clipkit.settings_schema import Range
+from clipkit.config.settings_schema import Range
+from clipkit.contract.hookspecs import hookimpl
 
 # Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges").
 LR = Annotated[float, Range(gt=0)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 def read_recipe_file(resource) -> dict:

@@ -31,8 +31,8 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 @pytest.fixture
 def registry():
     """A registry built from a fresh manager holding only the built-in plugins."""
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     return Registry(make_plugin_manager(autoload=False))
 

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_loss
+from clipkit.contract.types import Logits, LossContext, PointSet
 from clipkit.plugins.losses.baseline_losses import (
     CyCLIPLoss,
     DebiasedContrastiveLoss,
@@ -15,8 +17,6 @@ from clipkit.plugins.losses.baseline_losses import (
 )
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.similarities.dot import DotSimilarity
-from clipkit.testing import check_loss
-from clipkit.types import Logits, LossContext, PointSet
 
 
 def softplus(v: float) -> float:

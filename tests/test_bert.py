@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clipkit.contract.testing import check_encoder
 from clipkit.errors import ClipkitError
 from clipkit.model import build_slot
 from clipkit.plugins import encoders as encoder_plugins
@@ -37,7 +38,6 @@ from clipkit.plugins.encoders.bert import (
 )
 from clipkit.plugins.tokenizers import wordpiece
 from clipkit.plugins.tokenizers.wordpiece import WordPieceTokenizer
-from clipkit.testing import check_encoder
 
 EMBED_DIM = 8
 VOCAB = 30

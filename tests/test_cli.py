@@ -7,8 +7,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 
 runner = CliRunner()
 
@@ -21,7 +21,7 @@ def app():
 def test_help_lists_commands_without_importing_torch():
     code = (
         "import sys\n"
-        "from clipkit.cli import main\n"
+        "from clipkit.app.cli import main\n"
         "sys.argv = ['clipkit', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'clipkit --help imported torch'\n"
@@ -110,7 +110,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_recipe_listing_shows_the_first_sentence_of_descriptions():
-    from clipkit.cli import first_sentence
+    from clipkit.app.cli import first_sentence
 
     text = "CLIP (Radford et al. 2021): InfoNCE, e.g. with\n  ViTs. Second sentence. Third."
     assert first_sentence(text) == "CLIP (Radford et al. 2021): InfoNCE, e.g. with ViTs."

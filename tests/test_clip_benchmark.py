@@ -15,8 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit import api
-from clipkit.cli import make_app
+from clipkit.app import api
+from clipkit.app.cli import make_app
 from clipkit.data.shard import open_source
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.clip_benchmark import (
@@ -96,10 +96,10 @@ def fashion_retrieval_wds(shared_data, tmp_path) -> Path:
 
 @pytest.fixture
 def export(tmp_path):
-    from clipkit.export import write_export
-    from clipkit.manager import make_plugin_manager
+    from clipkit.artifacts.export import write_export
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
     from clipkit.model import build_model
-    from clipkit.registry import Registry
 
     registry = Registry(make_plugin_manager(autoload=False))
     recipe = api.resolve("clip@tiny", [], registry)

@@ -16,10 +16,10 @@ import unicodedata
 import pytest
 import torch
 
-from clipkit.manager import make_plugin_manager
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.plugins.tokenizers import clip_bpe
 from clipkit.plugins.tokenizers.clip_bpe import ClipBPETokenizer
-from clipkit.registry import Registry
 
 START, END = 49406, 49407
 

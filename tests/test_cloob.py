@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_loss, check_similarity, random_points
+from clipkit.contract.types import Logits, LossContext, PointSet
 from clipkit.plugins.losses.cloob import CLOOBLoss, InfoLOOB, info_loob
 from clipkit.plugins.similarities.hopfield import HopfieldSimilarity
-from clipkit.testing import check_loss, check_similarity, random_points
-from clipkit.types import Logits, LossContext, PointSet
 
 # ---------------------------------------------------------------------------------------------
 # naive references (explicit loops over i, j, k)

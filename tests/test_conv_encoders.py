@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from clipkit.contract.testing import check_encoder
+from clipkit.contract.types import PointSet
 from clipkit.plugins import encoders as conv_encoders
 from clipkit.plugins.encoders import clip_resnet, conv_common, resnet
 from clipkit.plugins.encoders.clip_resnet import AttentionPool2d, rn_tiny
 from clipkit.plugins.encoders.resnet import resnet_tiny
-from clipkit.testing import check_encoder
-from clipkit.types import PointSet
 
 EMBED_DIM = 16
 
@@ -458,8 +458,8 @@ def test_hook_registers_builders():
 
 
 def test_registry_builds_through_the_plugin_manager():
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     registry = Registry(make_plugin_manager(autoload=False))
     assert {"rn50", "rn_tiny", "resnet50", "resnet18_cifar"} <= set(registry.names("encoder"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.data.shard import ShardSource, open_source, read_manifest
 from clipkit.errors import DataError
 from clipkit.plugins.sources.file_sources import DEFAULT_MAX_CAPTION_CHARS, BadRow, verify_image_bytes

@@ -20,9 +20,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.integrity import describe_files
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.artifacts.integrity import describe_files
+from clipkit.contract.manager import make_plugin_manager
 
 runner = CliRunner()
 SMOKE = "quickstart@smoke"
@@ -442,8 +442,8 @@ def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    from clipkit.artifacts.integrity import loading
     from clipkit.errors import UnsafeCheckpointError
-    from clipkit.integrity import loading
     from clipkit.train.runtime.partitions import check_files
 
     zero = tmp_path / "deepspeed" / "zero"
@@ -505,7 +505,7 @@ def test_exports_and_checkpoints_record_checksums_of_their_files(work):
 
 def test_an_export_without_checksums_loads_with_a_one_line_warning(work, app, caplog):
     edit_json(EXPORT / "clipkit.json", lambda m: m.pop("files"))
-    with caplog.at_level("WARNING", logger="clipkit.integrity"):
+    with caplog.at_level("WARNING", logger="clipkit.artifacts.integrity"):
         result = invoke(app, *EVAL)
     assert result.exit_code == 0, result.output
     warnings = [r.getMessage() for r in caplog.records if "no checksums" in r.getMessage()]
@@ -542,7 +542,7 @@ def test_a_checkpoint_manifest_listing_no_checksum_for_state_is_refused(work, ap
 
 def test_an_export_from_before_checksums_warns_every_time_it_loads(work, app, caplog):
     edit_json(EXPORT / "clipkit.json", lambda m: m.pop("files"))
-    with caplog.at_level("WARNING", logger="clipkit.integrity"):
+    with caplog.at_level("WARNING", logger="clipkit.artifacts.integrity"):
         for _ in range(2):
             assert invoke(app, *EVAL).exit_code == 0
     warnings = [r.getMessage() for r in caplog.records if "no checksums" in r.getMessage()]
@@ -652,10 +652,10 @@ def test_a_tokenizer_vocab_outside_the_export_is_refused(work, app, relative):
 def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, registry):
     """A recipe's vocab.txt is copied into the export (checksummed), so the export loads with the
     original file gone and reads nothing outside itself."""
-    from clipkit.export import write_export
-    from clipkit.export_reader import load_export
+    from clipkit.artifacts.export import write_export
+    from clipkit.artifacts.reader import load_export
+    from clipkit.config.recipe import load_recipe
     from clipkit.model import build_model
-    from clipkit.recipe import load_recipe
 
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "red", "square", "##s"]) + "\n")
@@ -679,10 +679,10 @@ def test_an_export_carries_its_own_wordpiece_vocab(tmp_path, monkeypatch, regist
 def test_an_export_does_not_read_init_weights_its_recipe_names(tmp_path, monkeypatch, registry):
     """A text tower's ``weights`` (a Hugging Face checkpoint to start from) is not read when the
     model is rebuilt from an export, whose own weights replace it: a path leading out is never opened."""
-    from clipkit.export import write_export
-    from clipkit.export_reader import load_export
+    from clipkit.artifacts.export import write_export
+    from clipkit.artifacts.reader import load_export
+    from clipkit.config.recipe import load_recipe
     from clipkit.model import build_model
-    from clipkit.recipe import load_recipe
 
     monkeypatch.chdir(tmp_path)
     recipe = load_recipe(SMOKE, ["model.text_encoder=distilbert_tiny"], registry=registry)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.data.shard import ShardSource, open_source
 from clipkit.errors import DataError
 from clipkit.plugins.sources import parquet_reader

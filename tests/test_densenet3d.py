@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_model, save_model
 
+from clipkit.contract.testing import check_encoder
 from clipkit.plugins.encoders import densenet3d
 from clipkit.plugins.encoders.densenet3d import densenet3d_121, densenet3d_tiny
-from clipkit.testing import check_encoder
 
 EMBED_DIM = 8
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 from scipy import stats
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.artifacts.export import write_export
+from clipkit.artifacts.reader import load_export
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.eval.evaluate import encode_images, encode_texts, eval_generator, load_samples, run_evals
-from clipkit.export import write_export
-from clipkit.export_reader import load_export
-from clipkit.manager import make_plugin_manager
 from clipkit.model import build_model
 from clipkit.plugins.evals import diagnostic_stats as diagnostics
 from clipkit.plugins.evals.diagnostics import Diagnostics
-from clipkit.registry import Registry
 
 REGISTRY = Registry(make_plugin_manager(autoload=False))
 TRAIN_SOURCE = "synthetic://shapes?n=32&split=train&image_size=48"

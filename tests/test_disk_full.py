@@ -24,8 +24,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 
 runner = CliRunner()
 SMOKE = "quickstart@smoke"
@@ -174,7 +174,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def shards(tmp_path_factory) -> Path:
     """The smoke recipe's shards, made once (copied into each test's directory)."""
     root = tmp_path_factory.mktemp("shards")
-    from clipkit import api
+    from clipkit.app import api
 
     api.shard("synthetic://shapes?n=512&split=train&image_size=48", root / "data" / "smoke-shapes")
     return root
@@ -191,7 +191,7 @@ def work(shards, tmp_path, monkeypatch) -> Path:
 
 
 def test_the_handler_recognises_every_writers_words(tmp_path):
-    from clipkit.io import is_disk_full
+    from clipkit.artifacts.io import is_disk_full
 
     context = OSError(errno.ENOSPC, "No space left on device")
     torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
@@ -207,7 +207,7 @@ def test_the_handler_recognises_every_writers_words(tmp_path):
 
 
 def test_an_unrelated_error_passes_through_untouched(tmp_path):
-    from clipkit.io import writing
+    from clipkit.artifacts.io import writing
 
     with pytest.raises(PermissionError), writing(tmp_path / "x", remove=[tmp_path]):
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -215,7 +215,7 @@ def test_an_unrelated_error_passes_through_untouched(tmp_path):
 
 
 def test_the_message_gives_bytes_needed_and_free(tmp_path, small_disk):
-    from clipkit.io import DiskFullError, human_bytes, writing
+    from clipkit.artifacts.io import DiskFullError, human_bytes, writing
 
     small_disk(tmp_path, 1000)
     half = tmp_path / "half.bin"
@@ -286,7 +286,7 @@ def test_a_full_disk_during_clipkit_export_leaves_nothing_and_keeps_the_run(work
 
 
 def shard_sizes(tmp_path) -> int:
-    from clipkit import api
+    from clipkit.app import api
 
     manifest = api.shard(SOURCE, tmp_path / "measure", samples_per_shard=16)
     return max((tmp_path / "measure" / shard["name"]).stat().st_size for shard in manifest["shards"])
@@ -368,7 +368,7 @@ def test_a_real_full_tmpfs_checkpoint_and_export(work, tmpfs):
 
 
 def test_a_full_disk_while_logging_metrics_leaves_no_torn_line(tmp_path, small_disk):
-    from clipkit.io import DiskFullError
+    from clipkit.artifacts.io import DiskFullError
     from clipkit.plugins.loggers import on_metrics
     from clipkit.train.build import RunInfo
 

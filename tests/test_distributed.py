@@ -60,8 +60,8 @@ def cli(*args: str, cwd: Path):
     """``clipkit ARGS`` in this process (CliRunner), run from ``cwd``."""
     from typer.testing import CliRunner
 
-    from clipkit.cli import make_app
-    from clipkit.manager import make_plugin_manager
+    from clipkit.app.cli import make_app
+    from clipkit.contract.manager import make_plugin_manager
 
     previous = os.getcwd()
     os.chdir(cwd)
@@ -255,7 +255,7 @@ COMMON = [
 def shards(tmp_path_factory):
     """quickstart@smoke's shards, made once (each launch would otherwise make them); in this
     process, as ``clipkit shard`` would (no launch is involved in sharding)."""
-    from clipkit import api
+    from clipkit.app import api
 
     root = tmp_path_factory.mktemp("launch")
     api.shard("synthetic://shapes?n=512&split=train&image_size=48", root / "data" / "smoke-shapes")

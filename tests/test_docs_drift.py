@@ -6,13 +6,13 @@ What is checked (everything else in the docs is prose):
 - **paths**: backticked tokens that start with a top-level folder of this repository
   (``clipkit/``, ``plugins/``, ``recipes/``, ``tests/``, ...) must exist (globs may match);
 - **commands**: ``clipkit ...`` in code blocks and backticks: each sub-command and each
-  ``--option`` must be one the Typer app (:func:`clipkit.cli.make_app`, plugins' commands
+  ``--option`` must be one the Typer app (:func:`clipkit.app.cli.make_app`, plugins' commands
   included) accepts at that place, and ``key=value`` overrides must name recipe keys;
 - **options**: a backticked ``--option`` on its own must be accepted by some ``clipkit`` command,
   by a script in the repository (benchmarks/, tools/, .ci/) or be one of :data:`OTHER_TOOLS`;
 - **recipe keys**: backticked dotted names under a recipe section (``data.num_workers``,
   ``train.distributed.local_loss``, ``loss.temperature``) must be a field of the host settings
-  (:data:`clipkit.recipe.SECTIONS`) or an argument some registered plugin of that slot accepts.
+  (:data:`clipkit.config.recipe.SECTIONS`) or an argument some registered plugin of that slot accepts.
 
 Each failure names the file, the line and the missing thing.
 """
@@ -106,7 +106,7 @@ def _cli():
     """The ``clipkit`` command as Typer builds it (Typer may bundle its own click: duck-typed here)."""
     import typer
 
-    from clipkit.cli import make_app
+    from clipkit.app.cli import make_app
 
     return typer.main.get_command(make_app())
 
@@ -149,7 +149,7 @@ def _script_options() -> frozenset[str]:
 
 @cache
 def _registry():
-    from clipkit.registry import default_registry
+    from clipkit.contract.registry import default_registry
 
     return default_registry()
 
@@ -165,7 +165,7 @@ def _plugin_accepts(kind: str, argument: str) -> bool:
 
 def recipe_key_problem(key: str) -> str | None:
     """Why ``key`` (``data.num_workers``) is not a recipe key; None when it is one."""
-    from clipkit.recipe import SECTIONS, SLOTS, DistributedConfig
+    from clipkit.config.recipe import SECTIONS, SLOTS, DistributedConfig
     from clipkit.tiled.settings import DEPRECATED_LOSS_KEYS as TILING_KEYS
 
     slots = {slot.path: slot.kind for slot in SLOTS} | {"eval": "eval"}
@@ -438,3 +438,44 @@ def test_the_citation_resolver_catches_a_dangling_citation(tmp_path):
         f"plugins/loss.py:5: {cite} §2.2 has no section in methods.md",
         f"plugins/loss.py:5: {cite} §9 has no section in methods.md",
     ]
+
+
+# ----------------------------------------------------------------------------- the layout tree
+
+
+def layout_block(text: str) -> str:
+    """README's "## Layout" code block."""
+    section = text.split("\n## Layout", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def layout_problems(block: str, package: Path) -> list[str]:
+    """What the layout tree leaves out: each sub-package of ``package`` (as ``name/``) and each
+    module at its root (as its name, ``name.py`` or ``name/``)."""
+    problems = []
+    for child in sorted(package.iterdir()):
+        if child.name.startswith(("_", ".")):
+            continue
+        if child.is_dir() and (child / "__init__.py").exists() and f"{child.name}/" not in block:
+            problems.append(f"README Layout: the room {package.name}/{child.name}/ is missing")
+        if child.suffix == ".py" and not re.search(rf"\b{re.escape(child.stem)}\b", block):
+            problems.append(f"README Layout: the module {package.name}/{child.name} is missing")
+    return problems
+
+
+def test_the_readme_layout_tree_names_every_room_and_root_module():
+    block = layout_block((ROOT / "README.md").read_text(encoding="utf-8"))
+    problems = layout_problems(block, ROOT / "clipkit")
+    for room in ("train", "data", "eval", "tiled", "app", "artifacts", "config", "contract", "model"):
+        if (ROOT / "clipkit" / room).is_dir():
+            problems += layout_problems(block, ROOT / "clipkit" / room)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_check_can_fail(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "room").mkdir()
+    (tmp_path / "pkg" / "room" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "lonely.py").write_text("")
+    assert len(layout_problems("pkg/ nothing here", tmp_path / "pkg")) == 2
+    assert layout_problems("room/ lonely", tmp_path / "pkg") == []

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_similarity, random_points
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities.dot import DotSimilarity
-from clipkit.testing import check_similarity, random_points
-from clipkit.types import PointSet
 
 
 def unit(*rows):

@@ -1,11 +1,11 @@
-"""The one dotted-path lookup (clipkit/dotted.py) that recipe loading, validation and the settings
+"""The one dotted-path lookup (clipkit/config/dotted.py) that recipe loading, validation and the settings
 constraints share."""
 
 from __future__ import annotations
 
 import pytest
 
-from clipkit.dotted import get_path, lookup, split_path
+from clipkit.config.dotted import get_path, lookup, split_path
 
 TREE = {
     "train": {"steps": 10, "distributed": {"local_loss": False}, "report_to": None},
@@ -60,19 +60,21 @@ def test_split_path():
 
 
 def test_recipe_and_settings_schema_use_the_shared_lookup():
-    """The copies the lookup replaced are gone: both modules call clipkit.dotted."""
-    import clipkit.export
-    import clipkit.recipe
-    import clipkit.settings_schema
+    """The copies the lookup replaced are gone: both modules call clipkit.config.dotted."""
+    import clipkit.artifacts.export
+    import clipkit.config.recipe
+    import clipkit.config.settings_schema
 
-    assert clipkit.recipe.get_path is get_path and clipkit.recipe.lookup is lookup
-    assert clipkit.settings_schema.lookup is lookup
-    assert clipkit.export.get_path is get_path
-    assert not hasattr(clipkit.recipe, "_lookup") and not hasattr(clipkit.settings_schema, "_lookup")
+    assert clipkit.config.recipe.get_path is get_path and clipkit.config.recipe.lookup is lookup
+    assert clipkit.config.settings_schema.lookup is lookup
+    assert clipkit.artifacts.export.get_path is get_path
+    assert not hasattr(clipkit.config.recipe, "_lookup") and not hasattr(
+        clipkit.config.settings_schema, "_lookup"
+    )
 
 
 def test_host_constraints_skip_unset_keys_and_check_set_ones():
-    from clipkit.settings_schema import check_host
+    from clipkit.config.settings_schema import check_host
 
     assert check_host({"train": {"distributed": None}}) == []
     errors = check_host({"train": {"distributed": {"zero_stage": 7}}})

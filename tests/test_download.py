@@ -18,7 +18,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from PIL import Image
 
-from clipkit import __version__, api
+from clipkit import __version__
+from clipkit.app import api
 from clipkit.data.download import (
     DEFAULT_USER_AGENT,
     Downloader,

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_model, save_model
 
+from clipkit.contract.testing import check_encoder
+from clipkit.contract.types import PointSet
 from clipkit.plugins import encoders, tokenizers
 from clipkit.plugins.encoders import densenet3d, text_transformer, vit
 from clipkit.plugins.encoders.text_transformer import clip_text, text_transformer_tiny
 from clipkit.plugins.encoders.vit import vit_b16, vit_b32, vit_tiny
 from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.tokenizers.basic import ByteTokenizer, HashedWordTokenizer
-from clipkit.testing import check_encoder
-from clipkit.types import PointSet
 
 EMBED_DIM = 16
 VOCAB = 50

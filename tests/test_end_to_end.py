@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.errors import ClipkitError
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
@@ -41,8 +41,8 @@ def smoke_run(tmp_path_factory):
 
 
 def fresh_registry():
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     return Registry(make_plugin_manager(autoload=False))
 
@@ -94,7 +94,7 @@ def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
     assert metadata["preprocessing"]["image_size"] == 48
     assert metadata["recipe"]["name"] == "quickstart@smoke"
 
-    from clipkit.export_reader import load_export
+    from clipkit.artifacts.reader import load_export
 
     model, _ = load_export(result.export_dir, fresh_registry())
     saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]

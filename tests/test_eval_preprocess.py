@@ -30,6 +30,7 @@ from eval_preprocess_cases import (
 from interop_support import import_open_clip
 from PIL import Image
 
+from clipkit.artifacts.loading import Preprocess
 from clipkit.data.image_modes import to_rgb
 from clipkit.data.transforms import (
     ImageTransform,
@@ -38,7 +39,6 @@ from clipkit.data.transforms import (
     decode_transformed,
     shorter_side_size,
 )
-from clipkit.loading import Preprocess
 
 #: ../shared/data (optional here: its photos are added to the cases when present). Not imported from
 #: conftest: under the whole suite `conftest` may name tests/gpu/conftest.py.
@@ -240,10 +240,10 @@ def class_folders(root: Path) -> str:
 
 
 def test_zero_shot_gives_the_same_predictions_as_the_reference_pipeline(tmp_path, registry):
+    from clipkit.config.recipe import load_recipe, validate_or_raise
     from clipkit.eval.evaluate import encode_images, image_text_logits, load_samples, run_evals, topk_accuracy
     from clipkit.model import build_model
     from clipkit.plugins.evals.zero_shot import ZeroShot
-    from clipkit.recipe import load_recipe, validate_or_raise
 
     overrides = ["model.tokenizer.name=clip_bpe", "model.tokenizer.context_length=16"]
     recipe = validate_or_raise(load_recipe("clip@tiny", overrides, registry=registry), registry)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import (
     MIN_EVAL_SAMPLES,
@@ -33,8 +33,8 @@ SMOKE = ["train.steps=4", "train.log_every=2", "train.checkpoint_every=4", "data
 
 
 def fresh_registry():
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     return Registry(make_plugin_manager(autoload=False))
 
@@ -363,8 +363,8 @@ def test_report_compares_runs(evaluated_run, tmp_path):
 def test_cli_eval_with_a_tasks_file(evaluated_run, tmp_path):
     from typer.testing import CliRunner
 
-    from clipkit.cli import make_app
-    from clipkit.manager import make_plugin_manager
+    from clipkit.app.cli import make_app
+    from clipkit.contract.manager import make_plugin_manager
 
     root, result = evaluated_run
     suite = tmp_path / "suite.yaml"
@@ -398,9 +398,9 @@ HELDOUT = "synthetic://shapes?split=heldout&n=40&seed=1&image_size=48"
 def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
     """Untrained tiny exports of the point-set and Hopfield similarities evaluate through their own
     similarity; WPSE (random features) is repeated over 5 feature seeds with a spread."""
+    from clipkit.artifacts.export import write_export
+    from clipkit.artifacts.reader import load_export
     from clipkit.eval.evaluate import run_evals
-    from clipkit.export import write_export
-    from clipkit.export_reader import load_export
     from clipkit.model import build_model
 
     registry = fresh_registry()

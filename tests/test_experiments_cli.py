@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.config.recipe import DistributedConfig, load_recipe
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import default_registry
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.manager import make_plugin_manager
 from clipkit.model import build_model
-from clipkit.recipe import DistributedConfig, load_recipe
-from clipkit.registry import default_registry
 from clipkit.train.runtime import check_resumable, dcp_files, partitions, sharding, wrapping
 
 SMOKE = "quickstart@smoke"

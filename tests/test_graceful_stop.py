@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipkit import api
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 from clipkit.train.stop import TrainingStopped, handling_signals, received
 

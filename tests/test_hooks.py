@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.types import Sample
 from clipkit.data.shard import open_source
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
-from clipkit.types import Sample
 
 
 class HelloCommand:
@@ -55,8 +55,8 @@ def test_plugin_source_wins_over_builtin():
 
 
 def test_on_metrics_reaches_every_logger(in_tmp):
-    from clipkit import api
-    from clipkit.registry import Registry
+    from clipkit.app import api
+    from clipkit.contract.registry import Registry
 
     recorder = Recorder()
     registry = Registry(make_plugin_manager(autoload=False, extra_plugins=[recorder]))

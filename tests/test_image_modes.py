@@ -153,7 +153,7 @@ def write_table(directory, images) -> str:
 
 
 def test_shard_time_background_flattens_and_counts(tmp_path, registry):
-    from clipkit import api
+    from clipkit.app import api
     from clipkit.data.shard import ShardSource
 
     images = [transparent_square(under=(128, 128, 128)) for _ in range(3)] + [
@@ -174,7 +174,7 @@ def test_shard_time_background_flattens_and_counts(tmp_path, registry):
 
 
 def test_shard_background_option_error_names_it(tmp_path, registry):
-    from clipkit import api
+    from clipkit.app import api
 
     table = write_table(tmp_path, [transparent_square()])
     with pytest.raises(ClipkitError, match="option background"):

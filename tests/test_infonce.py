@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_loss
+from clipkit.contract.types import Logits, LossContext
 from clipkit.plugins.losses.infonce import InfoNCE
-from clipkit.testing import check_loss
-from clipkit.types import Logits, LossContext
 
 
 def naive_infonce(i2t: torch.Tensor) -> torch.Tensor:

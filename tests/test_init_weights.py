@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.artifacts.export import write_export
+from clipkit.config.recipe import load_recipe, validate_or_raise
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.types import PointSet
 from clipkit.errors import ClipkitError
-from clipkit.export import write_export
-from clipkit.init_weights import FrozenOutputCache, init_from
-from clipkit.manager import make_plugin_manager
 from clipkit.model import build_model
+from clipkit.model.init_weights import FrozenOutputCache, init_from
 from clipkit.plugins.interop.layouts import load_model
-from clipkit.recipe import load_recipe, validate_or_raise
 from clipkit.train.checkpoint import latest_checkpoint, load_checkpoint
 from clipkit.train.loop import build_trainer
-from clipkit.types import PointSet
 
 runner = CliRunner()
 TOKENIZER = ["model.tokenizer.name=clip_bpe", "model.tokenizer.context_length=16"]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import clipkit
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
 from clipkit.errors import ClipkitError
 from clipkit.plugins.interop import layouts, open_clip
 from clipkit.plugins.interop.spec import ClipSpec, TextSpec, VisionSpec

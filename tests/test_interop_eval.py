@@ -14,10 +14,10 @@ from test_interop_hf import hf_model, save_hf
 from test_interop_open_clip import VIT, open_clip_model, save_open_clip_dir
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 from clipkit.eval.evaluate import load_samples
 from clipkit.eval.report_index import eval_report_path
-from clipkit.manager import make_plugin_manager
 from clipkit.plugins.evals.zero_shot import ZeroShot
 from clipkit.plugins.interop.layouts import load_model
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from interop_support import import_transformers
 
+from clipkit.artifacts.export import write_export
+from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.errors import ClipkitError
-from clipkit.export import write_export
 from clipkit.model import build_model
 from clipkit.plugins.interop.layouts import convert, detect, load_model
-from clipkit.recipe import load_recipe, validate_or_raise
 
 TEXTS = ["a photo of a cat", "a red square!", "two dogs, playing", ""]
 MEAN, STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]

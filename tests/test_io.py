@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from clipkit.io import atomic_directory, atomic_path, atomic_write_text
+from clipkit.artifacts.io import atomic_directory, atomic_path, atomic_write_text
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from clipkit.contract.testing import check_similarity
+from clipkit.contract.types import LossContext, PointSet
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.similarities.kme import KMESimilarity, kme_logits
-from clipkit.testing import check_similarity
-from clipkit.types import LossContext, PointSet
 
 
 def unit_sets(rows) -> PointSet:

@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities import kme
 from clipkit.plugins.similarities.kme import KMESimilarity, kme_logits, kme_logits_naive, tile_shape
 from clipkit.train.memory import peak_allocated_bytes
-from clipkit.types import PointSet
 
 
 def random_set(

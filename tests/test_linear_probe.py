@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.artifacts.export import write_export
+from clipkit.artifacts.reader import load_export
+from clipkit.contract.types import PointSet
 from clipkit.data.transforms import ImageTransform, decode_transformed
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import load_samples
-from clipkit.export import write_export
-from clipkit.export_reader import load_export
 from clipkit.model import ContrastiveModel, build_model, build_slot
 from clipkit.plugins.evals.linear_probe import LinearProbe, projection_module_name
 from clipkit.plugins.evals.linear_probe_fit import (
@@ -31,7 +32,6 @@ from clipkit.plugins.evals.linear_probe_fit import (
     sgd_hyperparameters,
     stratified_split,
 )
-from clipkit.types import PointSet
 
 TRAIN = "synthetic://shapes?split=train&n=96&seed=0&image_size=32"
 TEST = "synthetic://shapes?split=train&n=64&seed=1&image_size=32"
@@ -336,8 +336,8 @@ def test_encoders_without_a_projection_name_get_a_clear_error(registry):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """An (untrained, seeded) quickstart@smoke model written as an export and loaded back."""
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     registry = Registry(make_plugin_manager(autoload=False))
     recipe = api.resolve("quickstart@smoke", ["model.image_size=32"], registry)

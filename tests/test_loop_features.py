@@ -14,14 +14,14 @@ import shutil
 import pytest
 import torch
 
-from clipkit import api
-from clipkit.export_reader import load_export
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
+from clipkit.app import api
+from clipkit.artifacts.reader import load_export
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
+from clipkit.contract.types import LossOutput
 from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
-from clipkit.registry import Registry
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
-from clipkit.types import LossOutput
 
 SOURCE = "synthetic://shapes?n=128&split=train&image_size=48"
 

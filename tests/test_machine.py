@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit import machine
+from clipkit.config import machine
 from clipkit.errors import RecipeError
 
 
@@ -76,7 +76,7 @@ def test_apply_sets_torch_threads_and_prints_once(cpus, capsys):
 
 
 def test_recipe_checks_the_machine_settings(registry):
-    from clipkit import api
+    from clipkit.app import api
 
     assert api.resolve("clip@tiny", ["data.num_workers=auto", "train.threads=2"], registry)
     with pytest.raises(RecipeError) as error:
@@ -89,7 +89,7 @@ def test_recipe_checks_the_machine_settings(registry):
 
 
 def test_validate_show_lists_the_knobs():
-    from clipkit.cli import make_app
+    from clipkit.app.cli import make_app
 
     # data.source: validate checks the data as train does, and clip's data/shards is a placeholder
     outcome = CliRunner().invoke(make_app(), ["validate", "clip", "data.source=synthetic://shapes", "--show"])

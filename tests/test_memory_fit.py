@@ -14,8 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 
 runner = CliRunner()
 GiB = 2**30
@@ -81,9 +81,9 @@ def test_memory_check_is_validated_like_every_train_setting(app):
 
 
 def built(spec: str, overrides=()):
-    from clipkit import api
+    from clipkit.app import api
+    from clipkit.contract.registry import default_registry
     from clipkit.model import build_model
-    from clipkit.registry import default_registry
 
     registry = default_registry()
     recipe = api.resolve(spec, list(overrides), registry)
@@ -99,7 +99,7 @@ def cpu_runtime(batch: int, micro: int = 0):
 
 @pytest.mark.parametrize("spec", ["quickstart@smoke", "clip@tiny", "nuclr@tiny", "siglip@tiny"])
 def test_tiny_recipes_fit_a_small_machine(spec, monkeypatch):
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
     from clipkit.train.memory_fit import check_memory
 
     machine_with(monkeypatch, 4 * GiB)

@@ -13,13 +13,13 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.contract.types import Sample
 from clipkit.data.captions import captions_from_text, draw_caption, record_captions
 from clipkit.data.loader import BatchStream, ImageTransform
 from clipkit.data.shard import ShardSource, decode_record, open_source
 from clipkit.data.shard_writer import write_shards
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 
 def png(value: int) -> bytes:

@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from clipkit import api
-from clipkit.manager import make_plugin_manager
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
+from clipkit.contract.testing import check_loss
+from clipkit.contract.types import Logits, LossContext
 from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss, batch_epoch, cosine_stepdown
-from clipkit.registry import Registry
-from clipkit.testing import check_loss
-from clipkit.types import Logits, LossContext
 
 F64 = torch.float64
 #: The paper's Algorithm 1 as a configuration: ζ ← ζ − η' Ĝ(ζ) is θ = 1 with zeta_lr = η'/n, u

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from clipkit.app.own_data import is_held_out, own_data_overrides, parse_split, split_position
 from clipkit.data.loader import BatchStream, ImageTransform, TrainingSplit, training_split
 from clipkit.data.shard import ShardSource, open_source
 from clipkit.data.shard_writer import write_shards
 from clipkit.errors import ClipkitError, DataError
-from clipkit.own_data import is_held_out, own_data_overrides, parse_split, split_position
 from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
 
 TRANSFORM = ImageTransform(image_size=16, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
@@ -75,7 +75,7 @@ def test_training_split_finds_the_held_out_indices(shards):
 
 
 def test_holdout_source_and_shard_split_agree(shards, tmp_path, registry):
-    from clipkit import api
+    from clipkit.app import api
 
     directory, keys = shards
     held = sorted(key for key in keys.values() if is_held_out(key, FRACTION))
@@ -175,7 +175,7 @@ def test_holdout_holds_with_loader_workers(shards):
 def test_shard_split_and_resume_conflict_on_the_command_line(in_tmp, shards):
     from typer.testing import CliRunner
 
-    from clipkit.cli import make_app
+    from clipkit.app.cli import make_app
 
     directory, keys = shards
     runner, app = CliRunner(), make_app()
@@ -218,8 +218,8 @@ def test_own_data_resolves_once_as_if_its_overrides_came_before_the_users(
     """`train --data` resolves the recipe once: its overrides, made from the resolved recipe's eval
     tasks, give what resolving again with them placed before the user's overrides gave (the user's
     still win: data.shards=elsewhere, eval=[] stay)."""
-    from clipkit import api
-    from clipkit.own_data import OwnData
+    from clipkit.app import api
+    from clipkit.app.own_data import OwnData
 
     monkeypatch.setenv("CLIPKIT_DATA_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)

@@ -11,8 +11,8 @@ import torch
 from PIL import Image, ImageDraw
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.own_data import is_held_out
+from clipkit.app.cli import make_app
+from clipkit.app.own_data import is_held_out
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 HIDDEN = (200, 0, 200)  # the colour under the transparent pixels: must never reach the model

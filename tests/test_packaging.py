@@ -58,7 +58,7 @@ def test_wheel_contents(tmp_path):
     }
     assert {f"clipkit/{package}/__init__.py" for package in packages} <= set(names)
     assert "clipkit/plugins/interop/open_clip.py" in names and "clipkit/plugins/interop/hf.py" in names
-    assert "clipkit/loading.py" in names and "clipkit/init_weights.py" in names
+    assert "clipkit/artifacts/loading.py" in names and "clipkit/model/init_weights.py" in names
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "Name: clipkit-contrastive" in zipfile.ZipFile(wheel).read(metadata).decode()
     assert "clipkit/recipes/quickstart.yaml" in names and "clipkit/recipes/clip.yaml" in names
@@ -72,7 +72,7 @@ def test_wheel_contents(tmp_path):
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"clipkit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "clipkit = clipkit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "clipkit = clipkit.app.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 #: `clipkit` with an extra, as an install instruction would write it; on PyPI that name is an

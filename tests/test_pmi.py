@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.testing import check_encoder
+from clipkit.contract.types import Logits, LossContext
 from clipkit.plugins.experiments.pmi import (
     LatentPairDistribution,
     PointSetMLP,
@@ -26,8 +28,6 @@ from clipkit.plugins.experiments.pmi import (
     run_pmi_benchmark,
 )
 from clipkit.plugins.losses.infonce import InfoNCE
-from clipkit.testing import check_encoder
-from clipkit.types import Logits, LossContext
 
 
 @pytest.fixture(autouse=True)
@@ -341,8 +341,8 @@ class ThirdPartyPlugin:
 
 
 def test_tiny_benchmark_writes_ranked_report(tmp_path):
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     registry = Registry(make_plugin_manager(autoload=False, extra_plugins=[ThirdPartyPlugin()]))
     options = {"embed_dim": 3, "points": 2, "steps": 3, "batch_size": 16, "eval_batches": 2, "seed": 1}

@@ -8,8 +8,8 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 from clipkit.plugins.experiments.pmi_study import mean_interval, run_pmi_study, with_kme_gamma
 
 
@@ -89,8 +89,8 @@ def test_cli_rejects_zero_seeds(tmp_path):
 def test_recipe_level_gamma_start_and_clamp_reach_the_kme_similarity():
     import torch
 
+    from clipkit.contract.registry import default_registry
     from clipkit.model import build_slot
-    from clipkit.registry import default_registry
 
     config = {"name": "kme", "init_gamma": 5.0, "max_gamma": 6.0}
     similarity = build_slot(default_registry(), "similarity", config, "test", embed_dim=4)

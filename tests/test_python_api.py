@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 import clipkit
-from clipkit.export import write_export
+from clipkit.artifacts.export import write_export
+from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.model import build_model
-from clipkit.recipe import load_recipe, validate_or_raise
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "python.md"
 OVERRIDES = ["model.tokenizer.name=clip_bpe", "model.tokenizer.context_length=16"]

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from clipkit import quiet
+from clipkit.app import quiet
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_run_imports_no_deepspeed():
     code = (
         "import sys, torch\n"
         "from clipkit.train.runtime import Runtime\n"
-        "from clipkit.recipe import DistributedConfig\n"
+        "from clipkit.config.recipe import DistributedConfig\n"
         "rt = Runtime(precision='no', seed=0, distributed=DistributedConfig(), global_batch_size=2,"
         " micro_batch_size=0, grad_clip=0.0)\n"
         "model = torch.nn.Linear(2, 2)\n"

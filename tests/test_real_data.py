@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.data.shard import verify_shards
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from clipkit.config.recipe import load_recipe, validate, variants_of
 from clipkit.errors import RecipeError, UnknownNameError
-from clipkit.recipe import load_recipe, validate, variants_of
 
 
 def all_specs(registry):

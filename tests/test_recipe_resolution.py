@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.config.recipe import load_recipe
+from clipkit.contract.manager import make_plugin_manager
 from clipkit.errors import RecipeError
-from clipkit.manager import make_plugin_manager
-from clipkit.recipe import load_recipe
 
 runner = CliRunner()
 SMOKE = "quickstart@smoke"
@@ -84,8 +84,8 @@ def test_an_escaped_reference_stays_text_and_is_refused_when_read_back(registry,
     monkeypatch.setenv("CLIPKIT_TEST_SECRET", SECRET)
     recipe = load_recipe(SMOKE, [r"notes=\${oc.env:CLIPKIT_TEST_SECRET}"], registry=registry)
     assert recipe["notes"] == "${oc.env:CLIPKIT_TEST_SECRET}"  # written as text, never resolved ...
-    from clipkit.api import resume_recipe
-    from clipkit.recipe import save_recipe
+    from clipkit.app.api import resume_recipe
+    from clipkit.config.recipe import save_recipe
 
     save_recipe(recipe, in_tmp / "recipe.yaml")
     with pytest.raises(RecipeError, match="notes: the resolver"):  # ... and refused on --resume
@@ -105,7 +105,7 @@ def test_nested_doubling_interpolations_fail_fast_naming_the_key(in_tmp):
     (in_tmp / "double.yaml").write_text(doubling_recipe())
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
-        "from clipkit.cli import main; sys.argv = ['clipkit', 'validate', 'double.yaml']; main()"
+        "from clipkit.app.cli import main; sys.argv = ['clipkit', 'validate', 'double.yaml']; main()"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

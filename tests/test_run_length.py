@@ -1,4 +1,4 @@
-"""Own-data runs sized by epochs (clipkit.run_length): the defaults, the start line, the short-run note."""
+"""Own-data runs sized by epochs (clipkit.app.run_length): defaults, the start line, the short-run note."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import pytest
 from test_own_data_flow import write_drawings
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.errors import ClipkitError
-from clipkit.own_data import is_held_out
-from clipkit.run_length import (
+from clipkit.app.cli import make_app
+from clipkit.app.own_data import is_held_out
+from clipkit.app.run_length import (
     DEFAULT_EPOCHS,
     MAX_DEFAULT_STEPS,
     RunLength,
@@ -22,6 +21,7 @@ from clipkit.run_length import (
     sized_by_epochs,
     steps_for,
 )
+from clipkit.errors import ClipkitError
 
 
 def test_tiny_variants_are_sized_by_epochs():
@@ -54,8 +54,8 @@ def test_several_processes_never_shard_before_training(in_tmp, monkeypatch, regi
     """Under a launcher every process runs the sizing before any can wait for another: a table not
     yet sharded keeps the recipe's steps (process 0 shards it during training); shards made
     before the launch are counted."""
-    from clipkit import api
-    from clipkit.run_length import plan
+    from clipkit.app import api
+    from clipkit.app.run_length import plan
 
     table = write_drawings(in_tmp, n=40)
     overrides = [f"data.source={in_tmp / table}", f"data.shards={in_tmp / 'shards'}"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from clipkit.config.recipe import load_recipe, validate_or_raise
+from clipkit.contract.registry import default_registry
 from clipkit.errors import ClipkitError, RecipeError
-from clipkit.recipe import load_recipe, validate_or_raise
-from clipkit.registry import default_registry
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import build_trainer
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
@@ -332,7 +332,7 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
 
 
 def every_recipe(registry) -> list[str]:
-    from clipkit.recipe import variants_of
+    from clipkit.config.recipe import variants_of
 
     names = []
     for name in registry.names("recipe"):
@@ -343,8 +343,8 @@ def every_recipe(registry) -> list[str]:
 def test_every_recipe_with_a_local_loss_can_compute_it(registry):
     """A recipe asking for local_loss must name a loss that is a mean over anchors and a pairwise
     similarity, else multi-process training would refuse it (checked here without processes)."""
+    from clipkit.config.recipe import distributed_config, section
     from clipkit.model import build_slot
-    from clipkit.recipe import distributed_config, section
 
     checked = 0
     for spec in every_recipe(registry):
@@ -375,7 +375,7 @@ def test_unquoted_no_precision_means_fp32(registry):
 def test_fit_batch_lowers_the_batch_to_what_the_data_holds(micro, samples, expected, capsys):
     """data.fit_batch: 64 -> the most the samples allow, a multiple of the micro-batch; a batch that
     fits, or data too small for any contrastive batch (the stream's own check explains it), stays."""
-    from clipkit.recipe import DistributedConfig
+    from clipkit.config.recipe import DistributedConfig
     from clipkit.train.build import fit_batch_to_data
     from clipkit.train.runtime import Runtime
 

@@ -1,5 +1,5 @@
 """``validate`` is the contract of ``train``: every out-of-range setting is refused with its key
-path (host settings from clipkit.settings_schema.HOST, plugin parameters from their
+path (host settings from clipkit.config.settings_schema.HOST, plugin parameters from their
 ``Annotated[..., Range(...)]``), and YAML errors name the file or override with line and column."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Annotated
 import pytest
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.config.recipe import load_recipe, validate
+from clipkit.config.settings_schema import HOST, Integer, Interval, Numbers, OneOf, Range
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.errors import RecipeError
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
-from clipkit.recipe import load_recipe, validate
-from clipkit.registry import Registry
-from clipkit.settings_schema import HOST, Integer, Interval, Numbers, OneOf, Range
 
 runner = CliRunner()
 SMOKE = "quickstart@smoke"
@@ -93,7 +93,7 @@ def test_a_type_error_is_reported_once_not_again_as_a_range_error(registry):
 def test_every_host_setting_in_the_table_exists_in_a_section():
     from dataclasses import fields
 
-    from clipkit.recipe import SECTIONS, TOP_LEVEL, DistributedConfig
+    from clipkit.config.recipe import SECTIONS, TOP_LEVEL, DistributedConfig
 
     sections = {**SECTIONS, "train.distributed": DistributedConfig}
     for path in HOST:

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
+from clipkit.contract.types import Sample
 from clipkit.data.loader import BatchStream, EpochPlan, ImageTransform
 from clipkit.data.shard import ShardSource, read_manifest, sha256, verify_shards
 from clipkit.data.shard_writer import write_shards
 from clipkit.errors import DataError
 from clipkit.plugins.sources.synthetic_shapes import SyntheticShapes
 from clipkit.plugins.tokenizers.basic import HashedWordTokenizer
-from clipkit.types import Sample
 
 TRANSFORM = ImageTransform(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 

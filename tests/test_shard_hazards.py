@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.data.shard import MANIFEST, read_manifest, verify_shards
 from clipkit.data.shard_writer import JOURNAL, partial_directory, write_shards
 from clipkit.errors import DataError

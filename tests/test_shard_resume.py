@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clipkit import api
+from clipkit.app import api
 from clipkit.data.shard import read_manifest, verify_shards
 from clipkit.data.shard_writer import parse_size, write_shards
 from clipkit.errors import DataError

@@ -17,14 +17,14 @@ import pytest
 import torch
 from stream_servers import copy_truncated, http_server, moto_available, s3_server
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.data.loader import BatchStream, ReadPolicy
 from clipkit.data.remote import Patience, redact
 from clipkit.data.shard_sets import is_streamed, parse_mixture, resolve
 from clipkit.data.transforms import ImageTransform
 from clipkit.errors import ClipkitError, DataError
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
 
 SOURCE = "synthetic://shapes?n=96&split=train&image_size=32"
 BRACES = "shard-{000000..000005}.tar"
@@ -90,7 +90,7 @@ def test_brace_lists_expand_several_groups_and_name_a_missing_file(shards, tmp_p
 def test_a_wrong_data_path_is_an_error_and_nothing_is_written(tmp_path, monkeypatch, arguments, says):
     from typer.testing import CliRunner
 
-    from clipkit.cli import make_app
+    from clipkit.app.cli import make_app
 
     monkeypatch.chdir(tmp_path)
     app = make_app(make_plugin_manager(autoload=False))
@@ -110,7 +110,7 @@ def test_an_empty_or_shardless_folder_is_refused(tmp_path):
 
 
 def test_own_data_refuses_a_missing_path_and_streams_urls(tmp_path):
-    from clipkit.own_data import own_data_overrides
+    from clipkit.app.own_data import own_data_overrides
 
     with pytest.raises(ClipkitError, match="no such file or directory"):
         own_data_overrides(str(tmp_path / "missing.jsonl"))

@@ -7,10 +7,10 @@ import shutil
 
 import torch
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.config.recipe import validate
+from clipkit.contract.registry import default_registry
 from clipkit.plugins.experiments.pmi import LatentPairDistribution, LatentPairStream, study_stream
-from clipkit.recipe import validate
-from clipkit.registry import default_registry
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
 

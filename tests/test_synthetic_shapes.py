@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from clipkit.contract.types import Sample
 from clipkit.plugins.sources import synthetic_shapes as ss
-from clipkit.types import Sample
 
 
 def tokens(text: str) -> list[str]:

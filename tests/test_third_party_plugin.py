@@ -107,7 +107,7 @@ def test_contract_checks_pass_on_the_example(installed):
     root, env = installed
     code = (
         "import clipkit_i2t_loss as m\n"
-        "from clipkit.testing import check_loss, check_plugin\n"
+        "from clipkit.contract.testing import check_loss, check_plugin\n"
         "assert 'i2t_infonce' in check_plugin(m).names('loss')\n"
         "check_loss(m.ImageToTextInfoNCE())\n"
     )

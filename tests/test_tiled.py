@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clipkit.contract.testing import check_tiled, full_context, random_points
+from clipkit.contract.types import LossOutput, PointSet
 from clipkit.errors import ClipkitError
 from clipkit.plugins.losses.baseline_losses import (
     CyCLIPLoss,
@@ -23,12 +25,10 @@ from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.plugins.similarities.hopfield import HopfieldSimilarity
 from clipkit.plugins.similarities.kme import KMESimilarity
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
-from clipkit.testing import check_tiled, full_context, random_points
 from clipkit.tiled import LogSumExp, RowSum
 from clipkit.tiled.contract import tiled_global_loss
 from clipkit.tiled.engine import run_sweep
 from clipkit.tiled.settings import AUTO_ABOVE, Tiling, decide, deprecation_warning, errors, tiling_of
-from clipkit.types import LossOutput, PointSet
 
 
 def dot(**kwargs):
@@ -219,8 +219,8 @@ def test_memory_does_not_hold_the_full_logits():
     """N = 2048 with 64-row tiles: the autograd graph holds no N×N (or tile-sized) tensor after forward."""
     saved = []
     a, b = random_points(2048, 1, 16, seed=1), random_points(2048, 1, 16, seed=2)
+    from clipkit.contract.types import LossContext
     from clipkit.tiled.contract import tiled_global_loss
-    from clipkit.types import LossContext
 
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         out = tiled_global_loss(InfoNCE(), dot(), a, b, LossContext(), tile_size=64)
@@ -270,8 +270,8 @@ def test_the_deprecated_loss_keys_still_work_and_never_reach_the_factory():
 
 
 def test_a_recipe_with_loss_tiled_resolves_with_one_warning_line(capsys):
-    from clipkit.api import resolve
-    from clipkit.registry import default_registry
+    from clipkit.app.api import resolve
+    from clipkit.contract.registry import default_registry
 
     recipe = resolve("clip@tiny", ["loss.tiled=true", "loss.tile_size=8"], default_registry())
     warned = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
@@ -283,9 +283,9 @@ def test_a_recipe_with_loss_tiled_resolves_with_one_warning_line(capsys):
 
 
 def test_validate_refuses_tiled_true_for_cloob(registry=None):
-    from clipkit.api import resolve
+    from clipkit.app.api import resolve
+    from clipkit.contract.registry import default_registry
     from clipkit.errors import RecipeError
-    from clipkit.registry import default_registry
 
     with pytest.raises(RecipeError, match="train.tiled: true, but the similarity HopfieldSimilarity"):
         resolve("cloob@tiny", ["train.tiled=true"], default_registry())
@@ -399,8 +399,8 @@ def test_yaware_code_normalisation_is_refused_when_tiled():
 def test_validate_explains_the_knob():
     from typer.testing import CliRunner
 
-    from clipkit.cli import make_app
-    from clipkit.manager import make_plugin_manager
+    from clipkit.app.cli import make_app
+    from clipkit.contract.manager import make_plugin_manager
 
     app = make_app(make_plugin_manager(autoload=False))
     result = CliRunner().invoke(app, ["validate", "clip@tiny", "data.batch_size=65536"])

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipkit import api
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 
 REGISTRY = Registry(make_plugin_manager(autoload=False))
 SOURCE = "synthetic://shapes?n=64&split=train&image_size=48"

@@ -7,15 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from clipkit.config.recipe import load_recipe
+from clipkit.contract.registry import default_registry
+from clipkit.contract.types import optional_member
 from clipkit.errors import ClipkitError
 from clipkit.model import build_model
 from clipkit.plugins.losses.nuclr import NUCLRLoss, SogCLRLoss
-from clipkit.recipe import load_recipe
-from clipkit.registry import default_registry
 from clipkit.train.objective import build_objective, check_loss_fits_runtime
 from clipkit.train.runtime.strategy import StepResult
 from clipkit.train.step import TrainingStep
-from clipkit.types import optional_member
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_an_unapplied_step_is_an_overflow_or_a_bad_gradient():
 
 def test_a_non_finite_gradient_without_loss_scaling_is_a_bad_gradient():
     """fp32 (no GradScaler): the runtime refuses the step and says it was not an overflow."""
-    from clipkit.recipe import DistributedConfig
+    from clipkit.config.recipe import DistributedConfig
     from clipkit.train.runtime import Runtime
 
     rt = Runtime(precision="no", seed=0, distributed=DistributedConfig(), global_batch_size=2)
@@ -109,7 +109,7 @@ def test_a_non_finite_gradient_without_loss_scaling_is_a_bad_gradient():
 
 def test_the_loss_pass_needs_only_a_model_an_objective_and_a_batch(recipe_and_model, objective):
     """No trainer: the step's loss is the recipe's loss on the model's similarity of its features."""
-    from clipkit.testing import synthetic_batch
+    from clipkit.contract.testing import synthetic_batch
 
     recipe, model = recipe_and_model
     batch = synthetic_batch(model, 8, recipe["model"]["image_size"], seed=3)
@@ -124,7 +124,7 @@ def test_the_loss_pass_needs_only_a_model_an_objective_and_a_batch(recipe_and_mo
 def test_a_tiled_objective_equals_the_full_one_in_value_and_gradient(recipe_and_model, objective):
     from dataclasses import replace
 
-    from clipkit.testing import synthetic_batch
+    from clipkit.contract.testing import synthetic_batch
 
     recipe, model = recipe_and_model
     batch = synthetic_batch(model, 7, recipe["model"]["image_size"], seed=4)  # 7: ragged tiles of 3
@@ -144,7 +144,7 @@ def test_a_tiled_objective_equals_the_full_one_in_value_and_gradient(recipe_and_
 
 def test_the_built_trainer_runs_the_same_objective(tmp_path):
     """build_trainer's step and a step built from the recipe alone give the same loss on a batch."""
-    from clipkit.testing import synthetic_batch
+    from clipkit.contract.testing import synthetic_batch
     from clipkit.train.build import build_trainer
 
     registry = default_registry()
@@ -158,9 +158,9 @@ def test_the_built_trainer_runs_the_same_objective(tmp_path):
 
 
 def test_check_training_step_passes_a_good_loss_and_catches_a_broken_one():
-    from clipkit.hookspecs import hookimpl
-    from clipkit.testing import check_training_step
-    from clipkit.types import LossOutput
+    from clipkit.contract.hookspecs import hookimpl
+    from clipkit.contract.testing import check_training_step
+    from clipkit.contract.types import LossOutput
 
     assert torch.isfinite(check_training_step(["loss.name=siglip"]).loss)
 

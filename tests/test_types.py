@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from clipkit.types import Logits, LossContext, PointSet
+from clipkit.contract.types import Logits, LossContext, PointSet
 
 
 def test_pointset_rejects_bad_shapes():

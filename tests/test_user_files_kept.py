@@ -26,9 +26,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
 from clipkit.data.shard import read_manifest
-from clipkit.manager import make_plugin_manager
 from clipkit.train.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.timeout(600)

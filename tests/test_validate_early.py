@@ -11,11 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.export import write_export
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.artifacts.export import write_export
+from clipkit.config.recipe import load_recipe, validate_or_raise
+from clipkit.contract.manager import make_plugin_manager
 from clipkit.model import build_model
-from clipkit.recipe import load_recipe, validate_or_raise
 
 runner = CliRunner()
 TINY = "clip@tiny"
@@ -72,7 +72,7 @@ def test_the_named_override_is_accepted(app, in_tmp):
 
 
 def test_required_tokenizer_is_an_optional_encoder_member(registry):
-    from clipkit.types import optional_member
+    from clipkit.contract.types import optional_member
 
     assert optional_member(registry.factory("encoder", "minilm_l6"), "required_tokenizer") == {
         "name": "wordpiece",

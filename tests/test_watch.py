@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.errors import ClipkitError
 from clipkit.eval.report import metric_rows, task_label
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
 from clipkit.plugins.loggers import progress_log, trackers
-from clipkit.registry import Registry
 
 pytestmark = pytest.mark.timeout(900)
 SMOKE = "quickstart@smoke"
@@ -257,7 +257,7 @@ def test_no_step_lines_on_a_terminal(monkeypatch, caplog):
 def test_log_level_and_warnings_go_through_logging():
     script = (
         "import logging, warnings\n"
-        "from clipkit.watch import configure_logging\n"
+        "from clipkit.app.watch import configure_logging\n"
         "configure_logging('warning')\n"
         "logging.getLogger('clipkit.x').info('hidden at warning')\n"
         "warnings.warn('a third-party library complains')\n"

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_similarity, random_points
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities.wpse import CosineMeanSimilarity, WPSESimilarity
-from clipkit.testing import check_similarity, random_points
-from clipkit.types import PointSet
 
 
 def unit(*rows, dtype=torch.float64):

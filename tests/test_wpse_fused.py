@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities import wpse
 from clipkit.plugins.similarities.wpse import (
     WPSESimilarity,
@@ -16,7 +17,6 @@ from clipkit.plugins.similarities.wpse import (
     pooled_random_features_unfused,
 )
 from clipkit.train.memory import peak_allocated_bytes
-from clipkit.types import PointSet
 
 
 def inputs(batch, points, dim, features, *, seed, dtype=torch.float64):

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.testing import check_loss
+from clipkit.contract.types import Logits, LossContext, PointSet
 from clipkit.plugins.losses.yaware import (
     AlignUniform,
     ConditionalAlignUniform,
@@ -16,8 +18,6 @@ from clipkit.plugins.losses.yaware import (
     meta_kernel,
     view_weights,
 )
-from clipkit.testing import check_loss
-from clipkit.types import Logits, LossContext, PointSet
 
 TAU = 0.1
 LN2, LN3 = math.log(2), math.log(3)

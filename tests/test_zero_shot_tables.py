@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipkit import api
-from clipkit.cli import make_app
+from clipkit.app import api
+from clipkit.app.cli import make_app
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
 from clipkit.plugins.evals.zero_shot import ZeroShot
-from clipkit.types import Sample
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 
@@ -38,10 +38,10 @@ def table(tmp_path):
 
 @pytest.fixture
 def export(tmp_path):
-    from clipkit.export import write_export
-    from clipkit.manager import make_plugin_manager
+    from clipkit.artifacts.export import write_export
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
     from clipkit.model import build_model
-    from clipkit.registry import Registry
 
     registry = Registry(make_plugin_manager(autoload=False))
     recipe = api.resolve("clip@tiny", [], registry)

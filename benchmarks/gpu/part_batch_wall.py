@@ -54,9 +54,9 @@ from common import (
     write_part,
 )
 
+from clipkit.contract.types import Logits, LossContext, PointSet
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.plugins.similarities.dot import DotSimilarity
-from clipkit.types import Logits, LossContext, PointSet
 
 MODES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GOAL_N = 1 << 20

@@ -68,9 +68,9 @@ from common import (
     write_part,
 )
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities import kme_triton
 from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
-from clipkit.types import PointSet
 
 IMPLS = ("triton", "blockwise", "naive")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

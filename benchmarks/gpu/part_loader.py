@@ -13,7 +13,7 @@ against what the ViT-B/16 training step consumes.
   worker: process start-up, shuffle buffer fill) are not timed — the time to the first batch is
   reported apart — the next 3·W batches are: images/s = 3·W·256 / (arrival of batch 4·W − arrival of
   batch W). Run with W = every usable CPU (16 on the GPU machine), then, while the budget (40 s)
-  lasts, with the recipe's ``num_workers: auto`` (``clipkit.machine.fit_to_machine``).
+  lasts, with the recipe's ``num_workers: auto`` (``clipkit.config.machine.fit_to_machine``).
 - Goal: loader images/s ≥ the ViT-B/16 step's samples/s, read from ``vit_step.json`` in the same
   folder (``clipkit_samples_per_s``, written by part_vit_step.py), so the GPU never waits on data.
 
@@ -84,8 +84,8 @@ def synthetic_jpeg(index: int) -> bytes:
 
 def write_synthetic_shards(folder: Path, total: int, threads: int) -> tuple[Path, dict]:
     """``total`` samples (the unique JPEGs cycled) as shards by clipkit's writer; (dir, stats)."""
+    from clipkit.contract.types import Sample
     from clipkit.data.shard_writer import write_shards
-    from clipkit.types import Sample
 
     began = time.perf_counter()
     with ThreadPoolExecutor(max_workers=threads) as pool:  # PIL releases the GIL while coding
@@ -124,9 +124,9 @@ def write_synthetic_shards(folder: Path, total: int, threads: int) -> tuple[Path
 
 def training_pieces(shards: Path):
     """The ``clip`` recipe (``clip@tiny`` in a rehearsal) on ``shards``: (recipe, transform, tokenizer)."""
-    from clipkit.api import resolve
+    from clipkit.app.api import resolve
+    from clipkit.contract.registry import default_registry
     from clipkit.model import build_slot, build_transform
-    from clipkit.registry import default_registry
 
     registry = default_registry()
     recipe = resolve(
@@ -138,8 +138,8 @@ def training_pieces(shards: Path):
 
 def time_loader(shards: Path, recipe: dict, transform, tokenizer, workers: int) -> dict:
     """Start-up and steady images/s of clipkit's training BatchStream with ``workers`` workers."""
+    from clipkit.config.recipe import section
     from clipkit.data.loader import BatchStream
-    from clipkit.recipe import section
 
     data = section(recipe, "data")
     stream = BatchStream(
@@ -202,8 +202,8 @@ def shm_gib() -> float | None:
 def main() -> None:
     out = parse_out()
     device()  # the contract: a real run is on the GPU machine (only a rehearsal runs elsewhere)
+    from clipkit.config.machine import fit_to_machine, usable_cpus
     from clipkit.data.decoders import default_decoder
-    from clipkit.machine import fit_to_machine, usable_cpus
 
     torch.set_num_threads(1)  # the main process only receives batches
     cpus = usable_cpus()

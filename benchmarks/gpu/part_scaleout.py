@@ -64,7 +64,7 @@ def log(message: str) -> None:
 
 def make_shards(folder: Path) -> Path:
     """Enough synthetic samples for every step of one launch, sharded once."""
-    from clipkit import api
+    from clipkit.app import api
 
     samples = PER_GPU * GPUS * (STEPS + 2)
     target = folder / "shards"

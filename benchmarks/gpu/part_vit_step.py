@@ -126,11 +126,11 @@ class ClipkitSide:
     name = "clipkit"
 
     def __init__(self, run_dir: Path) -> None:
-        from clipkit.api import resolve
+        from clipkit.app.api import resolve
+        from clipkit.contract.hookspecs import hookimpl
+        from clipkit.contract.manager import make_plugin_manager
+        from clipkit.contract.registry import Registry
         from clipkit.data.memory import InMemoryStream
-        from clipkit.hookspecs import hookimpl
-        from clipkit.manager import make_plugin_manager
-        from clipkit.registry import Registry
         from clipkit.train.build import build_trainer, prepare_run_dir
 
         self.batches: list[dict] = []

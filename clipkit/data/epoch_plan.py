@@ -133,6 +133,6 @@ def record_key(json_bytes: bytes, fallback: str) -> str:
 
 
 def record_held_out(record: dict[str, Any], holdout: float) -> bool:
-    from clipkit.own_data import is_held_out
+    from clipkit.app.own_data import is_held_out
 
     return is_held_out(record_key(record.get("json", b"{}"), record.get("__key__", "")), holdout)

@@ -17,7 +17,7 @@ multiple of W·B (otherwise fewer than W·B samples, different ones each epoch, 
 A resumed run skips the batches it already consumed before decoding them.
 
 With ``holdout`` > 0 (``data.holdout``, set by ``clipkit train --data``) the samples of the held-out
-split (:func:`clipkit.own_data.is_held_out` of each sample's key) are dropped as the tars are read,
+split (:func:`clipkit.app.own_data.is_held_out` of each sample's key) are dropped as the tars are read,
 and every count above is of the samples kept (counted once, from the tars' json members).
 """
 
@@ -99,7 +99,7 @@ def split_tar(url: str, holdout: float) -> tuple[int, list[int]]:
     only the json members."""
     import tarfile
 
-    from clipkit.own_data import is_held_out
+    from clipkit.app.own_data import is_held_out
 
     kept, held = 0, []
     with tarfile.open(url) as tar:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from clipkit import __version__
+from clipkit.contract.types import Sample
 from clipkit.data.captions import record_captions
 from clipkit.errors import ClipkitError, DataError
-from clipkit.types import Sample
 
 MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard-%06d.tar"
@@ -28,7 +28,7 @@ SHARD_PATTERN = "shard-%06d.tar"
 def open_source(uri: str, options: dict[str, Any] | None = None, *, pm=None):
     """The first ``open_source`` plugin that accepts ``uri``."""
     if pm is None:
-        from clipkit.registry import default_registry
+        from clipkit.contract.registry import default_registry
 
         pm = default_registry().pm
     source = pm.hook.open_source(uri=uri, options=dict(options or {}))
@@ -65,7 +65,7 @@ def sha256(path: Path) -> str:
 def read_manifest(directory: Path | str) -> dict[str, Any]:
     """``manifest.json`` of a shard directory, checked so that nothing reading it fails later:
     ``n``, and ``shards`` entries with a plain file ``name`` and a ``count`` adding up to ``n``."""
-    from clipkit.artifacts import read_json_object
+    from clipkit.artifacts.files import read_json_object
 
     path = Path(directory) / MANIFEST
     if not path.is_file():

@@ -110,7 +110,7 @@ def is_tar_folder(spec: str) -> bool:
 
 
 class StreamedShardSource:
-    """A streamed shard set read back as :class:`~clipkit.types.Sample` records in listed order
+    """A streamed shard set read back as :class:`~clipkit.contract.types.Sample` records in listed order
     (``clipkit eval --data``, ``--eval-data``); no local copy."""
 
     def __init__(self, spec: str, patience: Patience = Patience()) -> None:

@@ -32,10 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
-from clipkit.data.shard_lock import output_lock
-from clipkit.errors import ClipkitError, DataError
-from clipkit.io import (
+from clipkit.artifacts.io import (
     OVERWRITE_REMEDY,
     Kept,
     OutputKind,
@@ -45,7 +42,10 @@ from clipkit.io import (
     replace_directory,
     writing,
 )
-from clipkit.types import Sample
+from clipkit.contract.types import Sample
+from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
+from clipkit.data.shard_lock import output_lock
+from clipkit.errors import ClipkitError, DataError
 
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = "clipkit-shard-journal/1"
@@ -53,7 +53,7 @@ JOURNAL_FORMAT = "clipkit-shard-journal/1"
 MEMBER_MTIME = 0.0
 #: A finished shard set (``OUT``) and an interrupted one (``OUT.partial``): the files clipkit writes
 #: there. A directory holding anything else is refused unless ``overwrite`` (see
-#: :func:`clipkit.io.claim_output_directory`).
+#: :func:`clipkit.artifacts.io.claim_output_directory`).
 SHARD_OUTPUT = OutputKind("shard set", ("shard-*.tar", MANIFEST, JOURNAL), marker=MANIFEST)
 PARTIAL_OUTPUT = OutputKind("shard set", ("shard-*.tar", "shard-*.tar.tmp", MANIFEST, JOURNAL))
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -322,7 +322,7 @@ class ResumableWriter:
                 )
         return iterator
 
-    # -- a full disk (clipkit.io.writing) ----------------------------------------------------
+    # -- a full disk (clipkit.artifacts.io.writing) ----------------------------------------------------
 
     def unfinished(self) -> list[Path]:
         """What a full disk leaves to delete: the half-written shard, and ``OUT.partial`` when no

@@ -25,8 +25,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from clipkit.artifacts.io import atomic_write_text
 from clipkit.errors import ClipkitError
-from clipkit.io import atomic_write_text
 
 #: clipkit task -> CLIP_benchmark task.
 TASKS = {

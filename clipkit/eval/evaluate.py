@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from clipkit.contract.registry import Registry
+from clipkit.contract.types import PointSet, Sample, optional_member
 from clipkit.data.shard import open_source
 from clipkit.data.transforms import decode_for_eval
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.metrics import topk_accuracy  # noqa: F401 — re-exported: eval plugins import it from here
 from clipkit.model import ContrastiveModel, build_slot
-from clipkit.registry import Registry
-from clipkit.types import PointSet, Sample, optional_member
 
 
 def eval_generator(model: ContrastiveModel, seed: int | None = None) -> torch.Generator:
@@ -186,8 +186,8 @@ def check_tasks(tasks: list[dict], registry: Registry) -> None:
     """Refuse tasks that would fail before running anything (so no report is written): each named
     task's arguments against its factory (as recipe validation does), its constructor's own checks,
     and that a data source plugin accepts each URI in :data:`DATA_KEYS`. Every problem is listed."""
+    from clipkit.config.recipe import EVAL_INJECTED, check_slot
     from clipkit.eval.suite import task_arguments
-    from clipkit.recipe import EVAL_INJECTED, check_slot
 
     errors = []
     for i, config in enumerate(tasks):
@@ -224,8 +224,8 @@ def evaluate_export(
     first (:func:`check_tasks`). ``skip_missing`` (a suite's ``missing: skip``): tasks whose local
     data does not exist, or that the suite marks unsupported, are listed in the results
     (``missing`` / ``not_run``) instead of run (:mod:`clipkit.eval.suite`)."""
+    from clipkit.artifacts.reader import load_model
     from clipkit.eval.suite import split_suite
-    from clipkit.export_reader import load_model
 
     skipped: list[dict] = []
     if tasks is not None and skip_missing:

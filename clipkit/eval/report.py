@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from clipkit.artifacts.io import atomic_path, atomic_write_text
 from clipkit.errors import ClipkitError
-from clipkit.io import atomic_path, atomic_write_text
 
 #: Result keys that describe a task rather than measure it (never printed as metrics).
 DESCRIPTIVE = {"name", "data", "label", "dataset", "chance", "chance_recall", "baselines"}

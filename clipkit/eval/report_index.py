@@ -15,8 +15,8 @@ import re
 import time
 from pathlib import Path
 
+from clipkit.artifacts.io import atomic_write_text
 from clipkit.errors import ClipkitError
-from clipkit.io import atomic_write_text
 
 INDEX_NAME = "eval-index.json"
 #: Longest task-and-data part of a default report name (file systems allow 255 bytes; keep it readable).

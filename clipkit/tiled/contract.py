@@ -1,7 +1,7 @@
 """The plugin side of tiling: which similarities and losses have a tiled form, and the call that
 scores a batch with one.
 
-A similarity is *tileable* when it declares (clipkit.types.OPTIONAL_MEMBERS)
+A similarity is *tileable* when it declares (clipkit.contract.types.OPTIONAL_MEMBERS)
 
     tile_features(x: PointSet, *, generator) -> tuple[Tensor, ...]   each [B, ...], rows = the sets
     score_tile(a_features, b_features) -> Tensor [ta, tb]             the logits of those rows
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from clipkit.contract.types import LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.logits import TiledLogits, global_logits, local_logits
-from clipkit.types import LossContext, LossOutput, PointSet, optional_member
 
 
 def _name(plugin: Any) -> str:

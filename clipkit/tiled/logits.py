@@ -1,7 +1,7 @@
-"""What a tiled loss receives instead of :class:`clipkit.types.Logits`: the similarity's features and
+"""What a tiled loss receives instead of :class:`clipkit.contract.types.Logits`: the similarity's features and
 scorer, with row/column reductions, positives and per-direction targets — never an N×N tensor.
 
-Directions follow :class:`~clipkit.types.Logits`: ``"i2t"`` rows are image anchors scored against
+Directions follow :class:`~clipkit.contract.types.Logits`: ``"i2t"`` rows are image anchors scored against
 text candidates, ``"t2i"`` rows are text anchors against image candidates. In the global loss both
 are the rows and the columns of one matrix, reduced in one sweep; with
 ``train.distributed.local_loss`` each direction has its own matrix (this process's anchors against

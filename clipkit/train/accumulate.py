@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from clipkit.contract.types import LossOutput, PointSet
 from clipkit.train.objective import Objective
-from clipkit.types import LossOutput, PointSet
 
 
 @dataclass(frozen=True)

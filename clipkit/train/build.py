@@ -15,17 +15,17 @@ import os
 import sys
 from pathlib import Path
 
+from clipkit.config.machine import apply as apply_machine_fit
+from clipkit.config.machine import fit_to_machine, launch_warning
+from clipkit.config.recipe import DataConfig, distributed_config, save_recipe, section
+from clipkit.contract.registry import Registry
 from clipkit.data.loader import BatchStream, ReadPolicy, training_split
 from clipkit.data.remote import Patience
 from clipkit.data.shard_writer import check_shards, ensure_shards
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
-from clipkit.init_weights import prepare_model
-from clipkit.machine import apply as apply_machine_fit
-from clipkit.machine import fit_to_machine, launch_warning
 from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
-from clipkit.recipe import DataConfig, distributed_config, save_recipe, section
-from clipkit.registry import Registry
+from clipkit.model.init_weights import prepare_model
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.objective import build_objective

@@ -15,13 +15,13 @@
 - ``checkpoint.json`` (written last): the sha256 of every other file, checked on load.
 
 Files hold only tensors and plain types and load with ``weights_only=True``: a checkpoint is never
-unpickled (:mod:`clipkit.safe_load`), so a crafted one cannot run code on ``--resume`` or export.
+unpickled (:mod:`clipkit.artifacts.safe_load`), so a crafted one cannot run code on ``--resume`` or export.
 
 The commit protocol (:func:`save_checkpoint`). Every process writes into
 ``.step-00000123.partial/``; when all are done the main process writes state.pt and the manifest,
 then renames the directory to ``step-00000123`` — one atomic rename, so a crash or ``kill -9``
 mid-write never leaves a half checkpoint where resume would find it — then prunes all but the
-newest ``keep``. A full disk (:func:`clipkit.io.writing`) removes the ``.partial`` directory and
+newest ``keep``. A full disk (:func:`clipkit.artifacts.io.writing`) removes the ``.partial`` directory and
 keeps the earlier checkpoints. Checkpoints of multi-node runs must be on a filesystem every node sees.
 
 Resuming (:func:`open_checkpoint`, then :meth:`clipkit.train.runtime.Runtime.prepare`, then
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from clipkit.artifacts.integrity import describe_files, policy, verify_files, warn_unverified
+from clipkit.artifacts.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
+from clipkit.artifacts.safe_load import decode_rng, encode_rng, load_file
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.integrity import describe_files, policy, verify_files, warn_unverified
-from clipkit.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
-from clipkit.safe_load import decode_rng, encode_rng, load_file
 from clipkit.train.runtime import dcp_files, partitions, rng_state, set_rng_state
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import shutil
 import sys
 from typing import Any
 
+from clipkit.config.settings_schema import COMPILE_MODES
 from clipkit.errors import ClipkitError
-from clipkit.settings_schema import COMPILE_MODES
 
 #: The model attributes holding the towers (``text_encoder`` is None for two-view models).
 TOWERS = ("image_encoder", "text_encoder")

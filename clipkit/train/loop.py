@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clipkit.contract.types import LossOutput, optional_member, similarity_metrics
 from clipkit.errors import ClipkitError
 from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
@@ -23,7 +24,6 @@ from clipkit.train.build import build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
 from clipkit.train.runtime import rng_state, set_rng_state
 from clipkit.train.trainer import RunInfo, Trainer
-from clipkit.types import LossOutput, optional_member, similarity_metrics
 
 __all__ = [
     "RunInfo",

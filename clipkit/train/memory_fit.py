@@ -202,7 +202,7 @@ def estimate_memory(
 ) -> Estimate:
     """The estimate of the module docs for a built (not yet trained) model and batch ``plan``;
     ``tiling_refusal``: why the recipe cannot run tiled (clipkit.tiled.settings.recipe_refusal)."""
-    from clipkit.recipe import distributed_config, section
+    from clipkit.config.recipe import distributed_config, section
     from clipkit.tiled import settings as tiled_settings
     from clipkit.train.runtime.sharding import largest_unit_bytes, shares
 
@@ -302,8 +302,8 @@ def check_memory(
     """Refuse (:class:`NotEnoughMemoryError`, exit 2) a run whose estimate exceeds the memory available to
     it, warn above :data:`WARN_FRACTION` of it; ``train.memory_check=false`` skips the check.
     ``registry``: to tell whether the recipe's plugins can tile (without it, they are assumed to)."""
-    from clipkit.machine import processes_on_node
-    from clipkit.recipe import section
+    from clipkit.config.machine import processes_on_node
+    from clipkit.config.recipe import section
 
     if not section(recipe, "train").memory_check:
         return None

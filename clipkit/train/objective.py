@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.settings import Decision, Tiling, decide
 from clipkit.train.runtime import Runtime
-from clipkit.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 
 
 @dataclass
@@ -150,8 +150,8 @@ def build_objective(
     ``runtime``: the run's (default: one process, this recipe's batch and precision).
     ``num_samples``: samples per epoch (losses with per-sample state size their tables by it).
     """
+    from clipkit.config.recipe import section
     from clipkit.model import build_slot
-    from clipkit.recipe import section
     from clipkit.tiled.settings import loss_factory_config, tiling_of
 
     settings = section(recipe, "train")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from clipkit.contract.types import LossOutput, PointSet
 from clipkit.model import ContrastiveModel
 from clipkit.train.objective import Objective
-from clipkit.types import LossOutput, PointSet
 
 if TYPE_CHECKING:
     from clipkit.train.accumulate import FeatureGradient

@@ -13,12 +13,12 @@ from typing import Protocol
 
 import torch
 
+from clipkit.config.recipe import TrainConfig
+from clipkit.contract.registry import Registry
+from clipkit.contract.types import Loss
 from clipkit.model import ContrastiveModel
-from clipkit.recipe import TrainConfig
-from clipkit.registry import Registry
 from clipkit.train.objective import Objective
 from clipkit.train.runtime import Runtime
-from clipkit.types import Loss
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class RunInfo:
 
 class TrainingStream(Protocol):
     """This process's batches: a :class:`clipkit.data.loader.BatchStream` over shards, a registered
-    stream (``data.stream``; see :func:`clipkit.hookspecs.register_streams`), or
+    stream (``data.stream``; see :func:`clipkit.contract.hookspecs.register_streams`), or
     :class:`clipkit.data.memory.InMemoryStream` (batches already in memory)."""
 
     num_samples: int

@@ -5,10 +5,10 @@ Every built-in plugin kind is a package like this one: the hook lives in ``__ini
 imports the implementation modules inside the hook, so building the plugin manager (which
 imports every built-in) does not import torch. Each name is registered with one
 ``register(name, factory)`` call, exactly as docs/plugins.md shows third-party plugins doing;
-presets (``vit_b16``) are factories made with :func:`clipkit.registry.preset`.
+presets (``vit_b16``) are factories made with :func:`clipkit.contract.registry.preset`.
 """
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl

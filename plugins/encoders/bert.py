@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.artifacts.integrity import artifact_root
+from clipkit.contract.registry import preset
+from clipkit.contract.types import PointSet
 from clipkit.errors import ClipkitError
-from clipkit.integrity import artifact_root
 from clipkit.plugins.tokenizers.wordpiece import packaged_model_dir
-from clipkit.registry import preset
-from clipkit.types import PointSet
 
 from .vit import check_heads, check_positive
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.contract.registry import preset
+from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
-from clipkit.registry import preset
-from clipkit.types import PointSet
 
 from .conv_common import OUTPUTS, check_images, check_layers, run_blocks
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.contract.registry import preset
+from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
-from clipkit.registry import preset
-from clipkit.types import PointSet
 
 from .conv_common import recompute_contexts
 from .vit import check_positive

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
-from clipkit.types import PointSet
 
 from .conv_common import OUTPUTS, check_images, check_layers, run_blocks
 

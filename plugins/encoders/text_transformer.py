@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from clipkit.contract.registry import preset
+from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
-from clipkit.registry import preset
-from clipkit.types import PointSet
 
 # Relative (= clipkit.plugins.encoders.vit): plugins/ installs as clipkit.plugins, which ruff's isort
 # cannot see from the source tree.

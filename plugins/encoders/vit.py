@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.contract.registry import preset
+from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
-from clipkit.registry import preset
-from clipkit.types import PointSet
 
 OUTPUTS = ("cls", "tokens")
 

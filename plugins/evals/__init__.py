@@ -4,7 +4,7 @@ package (prompts, linear-probe fitting, diagnostic statistics), not in clipkit's
 
 from __future__ import annotations
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -17,10 +17,10 @@ import random
 import torch
 from torch import Tensor
 
+from clipkit.contract.types import PointSet
 from clipkit.errors import DataError
 from clipkit.eval.evaluate import embed_points, encode_images, encode_texts, load_samples
 from clipkit.plugins.evals import diagnostic_stats as diagnostics
-from clipkit.types import PointSet
 
 CAPTION_CHOICES = ("first", "random")
 EMBEDDING_CHOICES = ("similarity", "mean")

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+from clipkit.contract.types import Sample, optional_member
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import load_samples
 from clipkit.eval.metrics import class_baselines, classification_scores
-from clipkit.types import Sample, optional_member
 
 PROTOCOLS = ("lbfgs", "sgd")
 

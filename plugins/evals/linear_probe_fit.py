@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.contract.types import PointSet, Sample
 from clipkit.errors import ClipkitError
 from clipkit.eval.evaluate import embed_points, encode_images
-from clipkit.types import PointSet, Sample
 
 # ----------------------------------------------------------------------------------------------
 # Multinomial L2-regularised logistic regression (the L-BFGS protocol)

@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
-from clipkit.commands import fails_cleanly
+from clipkit.app.commands import fails_cleanly
+from clipkit.contract.hookspecs import hookimpl
 from clipkit.errors import ClipkitError
-from clipkit.hookspecs import hookimpl
 
 experiment_app = typer.Typer(
     help="Synthetic studies: PMI fidelity of similarities, NUCLR's Appendix B.", no_args_is_help=True
@@ -98,7 +98,7 @@ def pmi_fidelity_command(
     ] = None,
 ):
     """Rank similarities by how well they learn the true PMI of a synthetic pair distribution."""
-    from clipkit.commands import registry
+    from clipkit.app.commands import registry
     from clipkit.plugins.experiments.pmi import LatentPairDistribution, run_pmi_benchmark
     from clipkit.plugins.experiments.pmi_study import run_pmi_study, study_table, with_kme_gamma
 

@@ -508,7 +508,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
     """nuclr_synthetic.json, nuclr_synthetic.md, nuclr_synthetic.png in ``out_dir``, each atomic."""
-    from clipkit.io import atomic_path, atomic_write_text
+    from clipkit.artifacts.io import atomic_path, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "nuclr_synthetic.json", json.dumps(report, indent=2) + "\n")

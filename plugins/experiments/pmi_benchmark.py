@@ -117,7 +117,7 @@ def run_pmi_benchmark(
     distribution: the task (default ``LatentPairDistribution()``: K = 8, dx = dy = 8, its own
                   fixed seed, so ``seed`` varies the training run, not the task).
     out_dir:      if given, writes pmi_fidelity.json, pmi_fidelity.md, pmi_fidelity.png there.
-    registry:     default :func:`clipkit.registry.default_registry`.
+    registry:     default :func:`clipkit.contract.registry.default_registry`.
     num_threads:  torch CPU threads while training (restored after; None = leave as is). One is the
                   default: at these sizes thread synchronisation costs more than it saves (several
                   times slower on a busy machine), and one thread gives the same bits everywhere.
@@ -127,7 +127,7 @@ def run_pmi_benchmark(
     broken by RMSE; each result also carries ``rank_infonce_gap`` (lowest held-out InfoNCE gap
     first: the population-loss view of seed 003 Thm 3).
     """
-    from clipkit.registry import default_registry
+    from clipkit.contract.registry import default_registry
 
     registry = default_registry() if registry is None else registry
     distribution = LatentPairDistribution() if distribution is None else distribution
@@ -206,7 +206,7 @@ def train_study_model(recipe: dict, registry) -> tuple[Any, list[float]]:
     trained model and the per-step training losses (from the run's metrics.jsonl)."""
     import tempfile
 
-    from clipkit.api import train_in_process
+    from clipkit.app.api import train_in_process
 
     with tempfile.TemporaryDirectory(prefix="clipkit-pmi-") as run_dir:
         model = train_in_process(recipe, Path(run_dir), registry)

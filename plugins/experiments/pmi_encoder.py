@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from clipkit.types import PointSet
+from clipkit.contract.types import PointSet
 
 
 class PointSetMLP(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clipkit.types import Logits, LossContext
+from clipkit.contract.types import Logits, LossContext
 
 
 def pmi_fidelity(learned: Tensor, true: Tensor) -> dict[str, float]:

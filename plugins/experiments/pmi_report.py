@@ -41,7 +41,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], scatters: dict[str, tuple[Tensor, Tensor]], out_dir: Path) -> None:
     """pmi_fidelity.json, pmi_fidelity.md, pmi_fidelity.png in ``out_dir``, each written atomically."""
-    from clipkit.io import atomic_path, atomic_write_text
+    from clipkit.artifacts.io import atomic_path, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "pmi_fidelity.json", json.dumps(report, indent=2) + "\n")

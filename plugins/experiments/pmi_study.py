@@ -166,7 +166,7 @@ def study_table(study: dict[str, Any]) -> str:
 
 def write_study(study: dict[str, Any], out_dir: Path) -> None:
     """pmi_study.json, pmi_study.md and pmi_study.png (r and gap with 95 % error bars)."""
-    from clipkit.io import atomic_path, atomic_write_text
+    from clipkit.artifacts.io import atomic_path, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "pmi_study.json", json.dumps(study, indent=2, default=str) + "\n")

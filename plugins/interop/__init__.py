@@ -9,7 +9,7 @@ encoders vit*, text_transformer*, clip_text (output cls/eos, no weight head), cl
 tokenizer clip_bpe; similarity dot (no bias). Hugging Face CLIPModel has no ResNet image tower.
 """
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)

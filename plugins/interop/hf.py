@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from clipkit.artifacts.io import OutputKind
 from clipkit.errors import ClipkitError
-from clipkit.io import OutputKind
 from clipkit.plugins.interop.keys import StateDict, clipkit_to_hf, hf_to_clipkit
 from clipkit.plugins.interop.spec import (
     CLIP_BOS_ID,
@@ -30,8 +30,8 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PREPROCESSOR = "preprocessor_config.json"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
-#: What ``write_dir`` leaves in its folder (clipkit.io.OutputKind): a folder holding only these may be
-#: converted into again; any other file in it is the user's and refuses the write.
+#: What ``write_dir`` leaves in its folder (clipkit.artifacts.io.OutputKind): a folder holding only
+#: these may be converted into again; any other file in it is the user's and refuses the write.
 DIRECTORY_OUTPUT = OutputKind(
     "Hugging Face CLIP directory", (CONFIG, WEIGHTS, PREPROCESSOR, *TOKENIZER_FILES), marker=CONFIG
 )
@@ -197,7 +197,7 @@ def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
     atomically (``out`` checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_directory, tensor_bytes
+    from clipkit.artifacts.io import atomic_directory, tensor_bytes
 
     config = config_from_spec(spec, float(state["similarity.log_scale"].reshape(())))
     with atomic_directory(Path(out), needed=tensor_bytes(state)) as building:

@@ -22,8 +22,8 @@ from clipkit.errors import ClipkitError
 from clipkit.plugins.interop.spec import CLIP_VOCAB_SIZE, ClipSpec, TextSpec, VisionSpec
 
 if TYPE_CHECKING:
+    from clipkit.contract.registry import Registry
     from clipkit.model import ContrastiveModel
-    from clipkit.registry import Registry
 
 LAYOUTS = ("clipkit", "open_clip", "state_dict", "hf")
 #: Registered encoder names whose towers convert (their classes are checked too, see spec_of_model).
@@ -74,8 +74,8 @@ def read(path: Path, registry: Registry | None = None, *, quick_gelu: bool | Non
     elif layout == "hf":
         spec, state = hf.read_dir(Path(path))
     else:
-        from clipkit.export_reader import load_export
-        from clipkit.registry import default_registry
+        from clipkit.artifacts.reader import load_export
+        from clipkit.contract.registry import default_registry
 
         model, metadata = load_export(Path(path), registry or default_registry())
         spec = spec_of_model(model, metadata, str(path))
@@ -107,7 +107,7 @@ def encoder_configs(spec: ClipSpec) -> tuple[dict, dict]:
 
 def recipe_for(spec: ClipSpec, state: dict, registry: Registry) -> dict:
     """A validated clipkit recipe (the ``clip`` recipe's training settings) whose model is ``spec``."""
-    from clipkit.recipe import load_recipe, validate_or_raise
+    from clipkit.config.recipe import load_recipe, validate_or_raise
 
     if spec.text.vocab_size != CLIP_VOCAB_SIZE:
         raise ClipkitError(
@@ -164,7 +164,7 @@ def read_foreign(path: Path, registry: Registry, options: dict) -> tuple[Contras
     """The ``read_model`` hook: an open_clip / Hugging Face directory or an OpenAI-layout
     state dict, converted in memory; None for a path in none of these layouts (an export is the
     host's). Pickles are refused here, with the reason."""
-    from clipkit.export import describe
+    from clipkit.artifacts.export import describe
     from clipkit.plugins.interop import hf, open_clip
 
     path = Path(path)
@@ -181,9 +181,9 @@ def load_model(
 ) -> tuple[ContrastiveModel, dict]:
     """Any layout -> (clipkit model in eval mode, export-style metadata). Exports load as they are
     (any plugins); other layouts are converted in memory."""
-    from clipkit.export import describe
-    from clipkit.export_reader import load_export
-    from clipkit.registry import default_registry
+    from clipkit.artifacts.export import describe
+    from clipkit.artifacts.reader import load_export
+    from clipkit.contract.registry import default_registry
 
     registry = registry or default_registry()
     if detect(path) == "clipkit":
@@ -201,8 +201,8 @@ RECIPE = "recipe.yaml"
 def write_export(
     spec: ClipSpec, state: dict, out: Path, registry: Registry, *, overwrite: bool = False
 ) -> Path:
-    from clipkit.export import write_export as write
-    from clipkit.recipe import save_recipe
+    from clipkit.artifacts.export import write_export as write
+    from clipkit.config.recipe import save_recipe
 
     model, recipe = build(spec, state, registry)
     out = write(model, recipe, Path(out), registry, overwrite=overwrite)
@@ -293,8 +293,8 @@ def convert(
 
     ``out`` is checked before anything is read (:func:`claim_output`): new, empty or an earlier
     output of layout ``to``, or anything with ``overwrite``; never ``src`` or a folder holding it."""
+    from clipkit.contract.registry import default_registry
     from clipkit.plugins.interop import hf, open_clip
-    from clipkit.registry import default_registry
 
     if to not in LAYOUTS:
         raise ClipkitError(f"--to must be one of {', '.join(LAYOUTS)}, got {to!r}")
@@ -313,10 +313,10 @@ def convert(
 
 def claim_output(src: Path, out: Path, to: str, overwrite: bool) -> None:
     """Refuse (ClipkitError) an ``out`` that holds what clipkit did not write for layout ``to``
-    (``clipkit.io.claim_output_directory``; for ``state_dict``, an existing file), and ``src``
+    (``clipkit.artifacts.io.claim_output_directory``; for ``state_dict``, an existing file), and ``src``
     itself or a folder holding it, ``overwrite`` or not."""
-    from clipkit.export import EXPORT_OUTPUT
-    from clipkit.io import OVERWRITE_REMEDY, Kept, claim_output_directory
+    from clipkit.artifacts.export import EXPORT_OUTPUT
+    from clipkit.artifacts.io import OVERWRITE_REMEDY, Kept, claim_output_directory
     from clipkit.plugins.interop import hf, open_clip
 
     kept = [Kept(src, "the model being converted", inside=False)]

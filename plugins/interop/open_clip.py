@@ -19,15 +19,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from clipkit.artifacts.io import OutputKind
 from clipkit.errors import ClipkitError
-from clipkit.io import OutputKind
 from clipkit.plugins.interop.keys import StateDict, clipkit_to_open_clip, open_clip_to_clipkit
 from clipkit.plugins.interop.spec import CLIP_MEAN, CLIP_STD, ClipSpec, TextSpec, VisionSpec, mlp_ratio
 
 CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
-#: What ``write_dir`` leaves in its folder (clipkit.io.OutputKind): a folder holding only these may be
-#: converted into again; any other file in it is the user's and refuses the write.
+#: What ``write_dir`` leaves in its folder (clipkit.artifacts.io.OutputKind): a folder holding only
+#: these may be converted into again; any other file in it is the user's and refuses the write.
 DIRECTORY_OUTPUT = OutputKind("open_clip checkpoint", (CONFIG, WEIGHTS), marker=CONFIG)
 HEAD_WIDTH = 64  # open_clip's default head_width (and OpenAI's): one head per 64 channels
 
@@ -225,7 +225,7 @@ def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:
     """Write the OpenAI/open_clip-layout state dict to ``path`` (.safetensors), atomically."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_path, tensor_bytes
+    from clipkit.artifacts.io import atomic_path, tensor_bytes
 
     metadata = {"format": "pt", QUICK_GELU_KEY: "true" if spec.quick_gelu else "false"}
     with atomic_path(Path(path), needed=tensor_bytes(state)) as tmp:
@@ -238,7 +238,7 @@ def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:
     checked first by ``layouts.claim_output``: :data:`DIRECTORY_OUTPUT`)."""
     from safetensors.torch import save_file
 
-    from clipkit.io import atomic_directory, tensor_bytes
+    from clipkit.artifacts.io import atomic_directory, tensor_bytes
 
     with atomic_directory(Path(out), needed=tensor_bytes(state)) as building:
         save_file(

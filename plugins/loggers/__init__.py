@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clipkit.hookspecs import hookimpl
-from clipkit.io import DiskFullError, writing
+from clipkit.artifacts.io import DiskFullError, writing
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl

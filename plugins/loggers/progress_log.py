@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from clipkit.dotted import get_path
-from clipkit.hookspecs import hookimpl
+from clipkit.config.dotted import get_path
+from clipkit.contract.hookspecs import hookimpl
 
 log = logging.getLogger("clipkit.progress")
 #: Per run directory: total steps, first step of this process, when it started.

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clipkit import install_hint
-from clipkit.dotted import get_path
+from clipkit.config.dotted import get_path
+from clipkit.contract.hookspecs import hookimpl
 from clipkit.errors import ClipkitError
-from clipkit.hookspecs import hookimpl
 
 BUILT_IN = ("tensorboard", "wandb", "mlflow")
 EXTRA_HINT = install_hint("trackers")

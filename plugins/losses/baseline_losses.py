@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, Tile, TiledLogits
-from clipkit.types import Logits, LossContext, LossOutput
 
 
 def _positive_mask(scores: Tensor, targets: Tensor) -> Tensor:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import TiledLogits
-from clipkit.types import Logits, LossContext, LossOutput
 
 
 def info_loob(logits: Tensor, targets: Tensor) -> Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
-from clipkit.types import Logits, LossContext, LossOutput
 
 
 class InfoNCE:

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import TiledLogits
-from clipkit.types import Logits, LossContext, LossOutput
 
 DIRECTIONS = ("i2t", "t2i")
 ZETA_LR_SCHEDULES = ("constant", "cosine_stepdown")

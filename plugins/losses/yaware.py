@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.errors import ClipkitError
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
-from clipkit.types import Logits, LossContext, LossOutput
 
 SAME_SAMPLE = "same_sample"
 #: The official y-Aware code's kernel (METHODS §11): RBF on age with σ = 5.

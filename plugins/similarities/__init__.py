@@ -2,7 +2,7 @@
 docs/methods.md (METHODS §N). Implementations are imported inside the hook (see
 :mod:`clipkit.plugins.encoders` for the pattern)."""
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl

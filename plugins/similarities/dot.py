@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
-from clipkit.types import Logits, PointSet
 
 
 class DotSimilarity(ScaledEmbeddingTiles, nn.Module):

@@ -12,8 +12,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
-from clipkit.types import Logits, PointSet
 
 #: CLIP's bound on a learnable logit scale, applied to a learnable 1/τ.
 MAX_LEARNED_INVERSE_TAU = 100.0

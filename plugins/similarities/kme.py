@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
-from clipkit.types import Logits, PointSet
 
 
 def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:

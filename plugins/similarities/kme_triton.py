@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from clipkit.types import PointSet
+from clipkit.contract.types import PointSet
 
 try:  # triton is optional: CPU installs never need it
     import triton

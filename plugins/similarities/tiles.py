@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clipkit.types import PointSet
+from clipkit.contract.types import PointSet
 
 
 class ScaledEmbeddingTiles:

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
-from clipkit.types import Logits, PointSet
 
 KERNELS = ("gaussian", "imq")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clipkit.hookspecs import hookimpl
+from clipkit.contract.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)

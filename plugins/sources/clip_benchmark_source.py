@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
 from clipkit.eval.clip_benchmark import benchmark_name
-from clipkit.types import Sample
 
 from .dataset_sources import BadRow, WebDatasetSource, field_text, make_sample, record_parts
 

@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clipkit.contract.types import Sample
 from clipkit.data.captions import captions_from_text
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 from .file_sources import (
     IMAGE_SUFFIXES,

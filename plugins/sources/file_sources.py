@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 # Re-exported: the shared machinery and the table source are part of this module's interface.
 from .source_base import (  # noqa: F401

@@ -1,5 +1,5 @@
 """``holdout:DATA?fraction=F[&part=train]``: the held-out split of any data source (default part
-``holdout``; ``part=train`` gives the rest), by the rule of :func:`clipkit.own_data.is_held_out`
+``holdout``; ``part=train`` gives the rest), by the rule of :func:`clipkit.app.own_data.is_held_out`
 (a hash of each sample's key). ``clipkit train --data`` evaluates on this split of the training
 data, whose training stream leaves the same samples out (``data.holdout``).
 """
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl
 
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 PARTS = ("holdout", "train")
 #: Distinct values of a meta-data key collected for zero-shot class names (more: not a class column).
@@ -21,7 +21,7 @@ MAX_LABEL_VALUES = 10_000
 def open_holdout_source(uri: str, options: dict[str, Any] | None = None):
     """The held-out (or training) part of ``holdout:DATA?fraction=F&part=P``, or None for
     another URI form."""
-    from clipkit.own_data import HOLDOUT_SCHEME
+    from clipkit.app.own_data import HOLDOUT_SCHEME
 
     if not uri.startswith(HOLDOUT_SCHEME):
         return None
@@ -33,7 +33,7 @@ def open_holdout_source(uri: str, options: dict[str, Any] | None = None):
 
 def parse_holdout_uri(uri: str) -> tuple[str, float, str]:
     """``holdout:DATA?fraction=F&part=P`` -> (DATA, F, P); DataError naming the URI otherwise."""
-    from clipkit.own_data import HOLDOUT_SCHEME, check_fraction
+    from clipkit.app.own_data import HOLDOUT_SCHEME, check_fraction
 
     inner, _, query = uri[len(HOLDOUT_SCHEME) :].rpartition("?")
     params = dict(parse_qsl(query))
@@ -58,7 +58,7 @@ class HoldoutSource:
         self.values: dict[str, set] = {}
 
     def __iter__(self) -> Iterator[Sample]:
-        from clipkit.own_data import is_held_out
+        from clipkit.app.own_data import is_held_out
 
         wanted = self.part == "holdout"
         self.values = {}

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 from .file_sources import (
     CLASS_TEMPLATE,

@@ -2,7 +2,7 @@
 building, resumable positions, and the checks on images, captions and meta-data.
 
 A source subclasses :class:`FileSource` and yields ``(where, build)`` candidates; ``build()``
-returns a :class:`~clipkit.types.Sample` or raises :class:`BadRow` with the reason it is counted
+returns a :class:`~clipkit.contract.types.Sample` or raises :class:`BadRow` with the reason it is counted
 under. Torch is never imported here.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clipkit.contract.types import Sample
 from clipkit.errors import ClipkitError, DataError
-from clipkit.types import Sample
 
 if TYPE_CHECKING:
     pass

@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 from PIL import Image, ImageDraw
 
-from clipkit.types import Sample
+from clipkit.contract.types import Sample
 
 #: Colour names (single words, as they appear in captions) -> RGB. Hues are spread round the colour
 #: wheel and kept bright, so each stays distinct from the others and from the dark background.
@@ -276,7 +276,7 @@ def _check_int(name: str, value: Any, minimum: int | None) -> None:
 class SyntheticShapes:
     """A deterministic, in-memory source of ``n`` shape images with captions (see module docs).
 
-    Iterating yields :class:`clipkit.types.Sample` records; ``sample(i)`` rebuilds record ``i``
+    Iterating yields :class:`clipkit.contract.types.Sample` records; ``sample(i)`` rebuilds record ``i``
     alone. Attributes are drawn uniformly: a (colour, shape) pair from the split's combos, then a
     position and a size.
     """

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
+from clipkit.contract.types import Sample
 from clipkit.errors import DataError
-from clipkit.types import Sample
 
 from .source_base import (
     DEFAULT_MAX_CAPTION_CHARS,

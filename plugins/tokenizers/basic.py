@@ -1,6 +1,6 @@
 """Built-in tokenizers: hashed words and raw UTF-8 bytes.
 
-Both follow :class:`clipkit.types.Tokenizer`: ``tokenizer(texts) -> [B, context_length]`` long
+Both follow :class:`clipkit.contract.types.Tokenizer`: ``tokenizer(texts) -> [B, context_length]`` long
 ids laid out as ``[1 (start), t1, ..., tk, 2 (end), 0 (pad), ...]``, truncating the text so the
 end token always fits (text encoders pool at the end token). Torch is imported only when
 tokenising so that importing this module, which the plugin manager always does, stays light.

@@ -88,7 +88,7 @@ def resolve_vocab_path(vocab: str) -> str:
     """``"minilm"`` -> the packaged vocab.txt; anything else is a path to a vocab.txt (inside the
     export when the tokenizer is rebuilt from one: exports carry their own copy, see
     :meth:`WordPieceTokenizer.export_files`)."""
-    from clipkit.integrity import plugin_file
+    from clipkit.artifacts.integrity import plugin_file
 
     if vocab == "minilm":
         return str(packaged_model_dir() / "vocab.txt")

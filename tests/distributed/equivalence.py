@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from clipkit.config.recipe import DistributedConfig, load_recipe
+from clipkit.contract.registry import default_registry
 from clipkit.model import build_model, build_slot
-from clipkit.recipe import DistributedConfig, load_recipe
-from clipkit.registry import default_registry
 from clipkit.tiled.settings import Tiling
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.objective import Objective, tiling_decision

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import clipkit.train.loop
-from clipkit import api
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.train.stop import TrainingStopped
 
 shards, run_dir, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]

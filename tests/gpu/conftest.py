@@ -91,8 +91,8 @@ def fp32_matmul_precision():
 @pytest.fixture(scope="session")
 def gpu_registry():
     """One registry of the built-in plugins for the session."""
-    from clipkit.manager import make_plugin_manager
-    from clipkit.registry import Registry
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
 
     return Registry(make_plugin_manager(autoload=False))
 
@@ -100,7 +100,7 @@ def gpu_registry():
 @pytest.fixture(scope="session")
 def shapes_shards(tmp_path_factory, gpu_registry) -> Path:
     """:data:`SHAPES_SOURCE` sharded once per session, shared by every in-process training."""
-    from clipkit import api
+    from clipkit.app import api
 
     directory = tmp_path_factory.mktemp("gpu-data") / "shapes"
     api.shard(SHAPES_SOURCE, directory, registry=gpu_registry)

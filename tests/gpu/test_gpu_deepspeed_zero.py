@@ -38,9 +38,9 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 
-from clipkit import api
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 
 root, common, runs = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 registry = Registry(make_plugin_manager(autoload=False))

@@ -25,8 +25,8 @@ import time
 import pytest
 import torch
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities.kme import kme_logits, kme_logits_naive
-from clipkit.types import PointSet
 
 pytestmark = pytest.mark.gpu
 ON_GPU = torch.cuda.is_available()  # False only in the CPU debug mode (CLIPKIT_GPU_TESTS_ON_CPU=1)

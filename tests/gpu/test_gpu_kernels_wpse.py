@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
+from clipkit.contract.types import PointSet
 from clipkit.plugins.similarities import wpse
 from clipkit.plugins.similarities.wpse import pooled_random_features, pooled_random_features_unfused
-from clipkit.types import PointSet
 
 pytestmark = pytest.mark.gpu
 ON_GPU = torch.cuda.is_available()  # False only in the CPU debug mode (CLIPKIT_GPU_TESTS_ON_CPU=1)

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 
 import clipkit
-from clipkit.export import write_export
+from clipkit.artifacts.export import write_export
+from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.model import build_model
-from clipkit.recipe import load_recipe, validate_or_raise
 
 pytestmark = pytest.mark.gpu
 CAPTIONS = ["a small red circle at the top left", "a large blue square", "a green triangle at the bottom"]

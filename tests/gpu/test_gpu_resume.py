@@ -46,10 +46,10 @@ for backend in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sd
     if hasattr(torch.backends.cuda, backend):
         getattr(torch.backends.cuda, backend)(False)
 
-from clipkit import api
-from clipkit.hookspecs import hookimpl
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
+from clipkit.app import api
+from clipkit.contract.hookspecs import hookimpl
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 
 mode, root, overrides, hang_at = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 

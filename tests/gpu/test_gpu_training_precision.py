@@ -42,7 +42,7 @@ def train_losses(
     spec: str, precision: str, data: list[str], run_dir: Path, registry
 ) -> tuple[list[float], dict]:
     """Train ``spec`` in this process; (every step's loss, the last step's metrics)."""
-    from clipkit import api
+    from clipkit.app import api
 
     overrides = [
         *data,

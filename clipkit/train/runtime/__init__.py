@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from clipkit.config.settings_schema import DistributedConfig
+from clipkit.contract.types import PointSet
 from clipkit.errors import ClipkitError
-from clipkit.settings_schema import DistributedConfig
 from clipkit.train.runtime import collectives
 from clipkit.train.runtime.strategy import HALF, StepResult, Strategy
-from clipkit.types import PointSet
 
 __all__ = [
     "HALF",

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from clipkit.artifacts.integrity import policy
+from clipkit.artifacts.safe_load import first_line
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.integrity import policy
-from clipkit.safe_load import first_line
 
 DIRECTORY = "fsdp2"  # inside a checkpoint directory
 METADATA = ".metadata"  # DCP's index of the shards (a pickle)

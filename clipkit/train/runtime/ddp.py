@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from clipkit.artifacts.safe_load import first_line
 from clipkit.errors import ArtifactError
-from clipkit.safe_load import first_line
 from clipkit.train.runtime import dcp_files
 from clipkit.train.runtime.strategy import HALF, StepResult
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from clipkit.config.recipe import FSDP2_FP16_REFUSAL
 from clipkit.errors import ClipkitError
-from clipkit.recipe import FSDP2_FP16_REFUSAL
 from clipkit.train.runtime import dcp_files, wrapping
 from clipkit.train.runtime.strategy import HALF, StepResult
 

@@ -2,7 +2,7 @@
 
 Everything that knows their layout is here — where they go, how they are checked before DeepSpeed
 unpickles them, how they become one fp32 state dict for export — so :mod:`clipkit.train.checkpoint`
-and :mod:`clipkit.safe_load` never name a DeepSpeed file or type. The engine itself writes and
+and :mod:`clipkit.artifacts.safe_load` never name a DeepSpeed file or type. The engine itself writes and
 reads them (:meth:`~clipkit.train.runtime.zero.DeepSpeedStrategy.save` and ``load_after_wrapping``).
 
 Why the check: DeepSpeed loads its files with the full unpickler, which runs whatever code a
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from clipkit import install_hint
+from clipkit.artifacts.integrity import policy
+from clipkit.artifacts.safe_load import first_line, unsafe_or_damaged
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.integrity import policy
-from clipkit.safe_load import first_line, unsafe_or_damaged
 
 DIRECTORY = "deepspeed"  # inside a checkpoint directory
 TAG = "zero"  # DeepSpeed's checkpoint tag (one sub-directory per tag)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clipkit.recipe import DistributedConfig
+from clipkit.config.recipe import DistributedConfig
 from clipkit.train.runtime import wrapping
 
 

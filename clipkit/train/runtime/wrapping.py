@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from clipkit.types import optional_member
+from clipkit.contract.types import optional_member
 
 TOWERS = ("image_encoder", "text_encoder")
 

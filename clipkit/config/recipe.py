@@ -20,10 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from clipkit.dotted import get_path, lookup
-from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, close_matches
-from clipkit.registry import Registry
-from clipkit.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.recipe.DataConfig
+from clipkit.config.dotted import get_path, lookup
+from clipkit.config.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.config.recipe.DataConfig
     SECTIONS,
     DataConfig,
     DistributedConfig,
@@ -32,6 +30,8 @@ from clipkit.settings_schema import (  # noqa: F401 — the sections are re-expo
     TrainConfig,
     parameter_constraints,
 )
+from clipkit.contract.registry import Registry
+from clipkit.errors import ClipkitError, RecipeError, UnknownNameError, close_matches
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 def read_base(name: str, registry: Registry) -> dict:
     """A registered recipe by name, or a YAML file when ``name`` is a path."""
-    from clipkit.artifacts import read_yaml_mapping
+    from clipkit.artifacts.files import read_yaml_mapping
 
     if name.endswith((".yaml", ".yml")) or Path(name).is_file():
         path = Path(name)
@@ -329,7 +329,7 @@ def parse_override(item: str, where: str) -> tuple[str, Any]:
     import yaml
     from omegaconf.errors import OmegaConfBaseException
 
-    from clipkit.artifacts import one_line, yaml_problem
+    from clipkit.artifacts.files import one_line, yaml_problem
 
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
@@ -406,7 +406,7 @@ def save_recipe(recipe: dict, path: Path) -> None:
     """Write the resolved recipe as YAML, atomically."""
     from omegaconf import OmegaConf
 
-    from clipkit.io import atomic_write_text
+    from clipkit.artifacts.io import atomic_write_text
 
     atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(recipe)))
 
@@ -479,9 +479,9 @@ def check_slot(config: Any, path: str, kind: str, injected: frozenset[str], regi
 
 
 def _check_required_tokenizer(recipe: dict, registry: Registry) -> list[str]:
-    """The text tower's declared ``required_tokenizer`` (clipkit.types.OPTIONAL_MEMBERS) against
+    """The text tower's declared ``required_tokenizer`` (clipkit.contract.types.OPTIONAL_MEMBERS) against
     ``model.tokenizer`` (the tokenizer factory's defaults filled in); a mismatch names the override."""
-    from clipkit.types import optional_member
+    from clipkit.contract.types import optional_member
 
     encoder, tokenizer = get_path(recipe, "model.text_encoder"), get_path(recipe, "model.tokenizer")
     if not all(isinstance(slot, dict) and isinstance(slot.get("name"), str) for slot in (encoder, tokenizer)):
@@ -597,9 +597,9 @@ def _check_section(config: Any, section: str, schema) -> list[str]:
 
 
 def _check_values(recipe: dict, reported: list[str]) -> list[str]:
-    """Ranges and choices of host settings (:data:`clipkit.settings_schema.HOST`), plus the rules
+    """Ranges and choices of host settings (:data:`clipkit.config.settings_schema.HOST`), plus the rules
     that tie settings together; a key whose type is already reported is not reported again."""
-    from clipkit.settings_schema import check_host
+    from clipkit.config.settings_schema import check_host
 
     typed = {error.partition(":")[0] for error in reported}
     errors = [e for e in check_host(recipe) if e.partition(":")[0] not in typed]
@@ -655,7 +655,7 @@ def _check_augment(data: dict) -> list[str]:
 
 
 def _check_machine(data: Any, train: Any) -> list[str]:
-    from clipkit.machine import check
+    from clipkit.config.machine import check
 
     problems = []
     if isinstance(data, dict):

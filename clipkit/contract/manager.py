@@ -7,7 +7,7 @@ import os
 
 import pluggy
 
-from clipkit import hookspecs
+from clipkit.contract import hookspecs
 
 #: Built-in plugin modules, registered exactly like third-party plugins.
 BUILTIN_PLUGINS = (

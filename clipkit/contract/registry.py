@@ -121,7 +121,7 @@ def default_registry(*, refresh: bool = False) -> Registry:
     global _DEFAULT, _DEFAULT_PM
     if _DEFAULT is None or refresh:
         if _DEFAULT_PM is None or refresh:
-            from clipkit.manager import make_plugin_manager
+            from clipkit.contract.manager import make_plugin_manager
 
             _DEFAULT_PM = make_plugin_manager()
         _DEFAULT = Registry(_DEFAULT_PM)

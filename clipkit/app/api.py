@@ -2,7 +2,7 @@
 
 Usable from Python too::
 
-    from clipkit import api
+    from clipkit.app import api
     result = api.train("quickstart", ["train.steps=100"])
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clipkit.contract.registry import Registry, default_registry
 from clipkit.errors import ClipkitError
-from clipkit.registry import Registry, default_registry
 
 if TYPE_CHECKING:
-    from clipkit.own_data import OwnData
+    from clipkit.app.own_data import OwnData
 
 
 @dataclass
@@ -41,7 +41,7 @@ def resolve(
     ``own_data`` (``clipkit train --data ...``) adds its overrides to the resolved recipe — they
     depend on its eval tasks — with the user's ``overrides`` still winning: one resolution.
     """
-    from clipkit.recipe import amend_resolved, load_recipe, validate_or_raise
+    from clipkit.config.recipe import amend_resolved, load_recipe, validate_or_raise
 
     registry = registry or default_registry()
     recipe = load_recipe(spec, overrides, registry=registry)
@@ -114,10 +114,10 @@ def shard_split(
 ) -> dict[str, dict]:
     """``split`` = "NAME=FRACTION": write ``out``/train and ``out``/NAME, the samples outside and
     inside the held-out split of ``source`` (the rule of ``clipkit train --data --holdout``, see
-    :mod:`clipkit.own_data`). ``settings`` as :func:`shard`. Returns {part: manifest}."""
+    :mod:`clipkit.app.own_data`). ``settings`` as :func:`shard`. Returns {part: manifest}."""
+    from clipkit.app.own_data import SplitPart, parse_split
     from clipkit.data.shard import open_source
     from clipkit.data.shard_writer import write_shards
-    from clipkit.own_data import SplitPart, parse_split
 
     name, fraction = parse_split(split)
     registry = registry or default_registry()
@@ -163,7 +163,7 @@ def train(
     unpickling it (checkpoints of an older clipkit; see docs/safety.md). ``own_data``: train and
     evaluate on the user's data (``clipkit train --data``; a new run only).
     """
-    from clipkit.integrity import loading
+    from clipkit.artifacts.integrity import loading
 
     if resume and own_data is not None:
         raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
@@ -175,9 +175,9 @@ def train(
 
 
 def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=None) -> TrainResult:
-    from clipkit.export import EXPORT_OUTPUT
-    from clipkit.io import claim_output_directory
-    from clipkit.recipe import section, validate_or_raise
+    from clipkit.artifacts.export import EXPORT_OUTPUT
+    from clipkit.artifacts.io import claim_output_directory
+    from clipkit.config.recipe import section, validate_or_raise
     from clipkit.train.build import prepare_run_dir
     from clipkit.train.run_lock import run_directory_lock
     from clipkit.train.runtime import launched_as_main
@@ -193,7 +193,7 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
     else:
         recipe = resolve(spec, overrides or [], registry, own_data=own_data)  # the command's one resolution
         if own_data is not None and own_data.is_own:
-            from clipkit.run_length import size_run
+            from clipkit.app.run_length import size_run
 
             recipe, line = size_run(spec, recipe, list(overrides or []), own_data.epochs, registry)
             if launched_as_main():
@@ -226,11 +226,11 @@ def _release_launch_objects() -> None:
 
 
 def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool) -> TrainResult:
-    from clipkit.recipe import section
+    from clipkit.app.watch import watching
+    from clipkit.config.recipe import section
     from clipkit.train.build import build_trainer
     from clipkit.train.loop import train_loop
     from clipkit.train.stop import handling_signals
-    from clipkit.watch import watching
 
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
     with watching(trainer) as events:  # on_run_start / on_evals / on_run_end (trackers)
@@ -241,7 +241,7 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
         if section(recipe, "train").export and trainer.runtime.is_main:
             result.export_dir = export(run_dir, Path(run_dir) / "export", registry=registry)
             if recipe.get("eval"):
-                from clipkit.run_length import short_run_note
+                from clipkit.app.run_length import short_run_note
 
                 output, note = Path(run_dir) / "eval.json", short_run_note(metrics)
                 notes = [note] if note else []
@@ -261,7 +261,7 @@ def train_in_process(recipe: dict, run_dir: Path, registry: Registry | None = No
     recipe is validated like a file's, and the run directory gets recipe.yaml, metrics.jsonl and
     a checkpoint as any run's does.
     """
-    from clipkit.recipe import validate_or_raise
+    from clipkit.config.recipe import validate_or_raise
     from clipkit.train.build import build_trainer, prepare_run_dir
     from clipkit.train.loop import train_loop
     from clipkit.train.run_lock import run_directory_lock
@@ -289,8 +289,8 @@ def resume_recipe(run_dir: Path, overrides: list[str], registry: Registry) -> di
     """The run's saved recipe with extra overrides (e.g. more ``train.steps``)."""
     from omegaconf import OmegaConf
 
-    from clipkit.artifacts import read_yaml_mapping
-    from clipkit.recipe import apply_overrides, resolve_interpolations
+    from clipkit.artifacts.files import read_yaml_mapping
+    from clipkit.config.recipe import apply_overrides, resolve_interpolations
 
     path = run_dir / "recipe.yaml"
     if not path.is_file():
@@ -316,8 +316,8 @@ def export(
 
     ``out`` must be absent, empty or an earlier export; ``overwrite`` replaces any other folder
     (never the run itself or its checkpoints)."""
-    from clipkit.export import export_run
-    from clipkit.integrity import loading
+    from clipkit.artifacts.export import export_run
+    from clipkit.artifacts.integrity import loading
 
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return export_run(
@@ -382,9 +382,9 @@ def evaluate(
     report carries above its table (e.g. that the run trained under one epoch). ``skip_missing``:
     list a suite's tasks whose data is not here instead of refusing (:mod:`clipkit.eval.suite`).
     """
+    from clipkit.artifacts.integrity import loading
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize, write_eval_report
-    from clipkit.integrity import loading
 
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}

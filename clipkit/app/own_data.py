@@ -187,14 +187,14 @@ class OwnData:
     """``clipkit train --data/--holdout/--label/--eval-data``: the user's data, as recipe overrides.
 
     The overrides depend on the recipe's own eval tasks (kept when ``data`` is synthetic), so
-    they are made from the resolved recipe (:func:`clipkit.api.resolve`) rather than before it.
+    they are made from the resolved recipe (:func:`clipkit.app.api.resolve`) rather than before it.
     """
 
     data: str | None = None
     holdout: float = DEFAULT_HOLDOUT
     label: str | None = None
     eval_data: tuple[str, ...] = ()
-    epochs: float | None = None  # --epochs: passes over the user's data (clipkit.run_length)
+    epochs: float | None = None  # --epochs: passes over the user's data (clipkit.app.run_length)
 
     @property
     def is_own(self) -> bool:
@@ -258,7 +258,7 @@ USER_KNOBS = (
 
 def knob_lines(recipe: dict) -> list[str]:
     """``# key: value  — what it is`` for each of :data:`USER_KNOBS` in a resolved recipe."""
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
 
     lines = ["# the knobs to set for your own data (key=value overrides):"]
     for key, meaning in USER_KNOBS:

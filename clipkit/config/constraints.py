@@ -1,6 +1,6 @@
 """The vocabulary of setting constraints: a number's range, a choice, a pair, a list, an integer.
 
-Host settings (:mod:`clipkit.settings_schema`) and plugin factories declare their allowed values
+Host settings (:mod:`clipkit.config.settings_schema`) and plugin factories declare their allowed values
 with these, as :data:`typing.Annotated` metadata::
 
     def adamw(named_parameters, lr: Annotated[float, Range(gt=0)] = 5e-4, ...): ...

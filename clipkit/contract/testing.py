@@ -1,6 +1,6 @@
 """Contract checks for plugin authors: call them from your package's tests.
 
-    from clipkit.testing import check_loss, check_plugin
+    from clipkit.contract.testing import check_loss, check_plugin
 
     def test_my_plugin():
         check_plugin(my_package.plugin)              # registers cleanly next to the built-ins
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from clipkit.registry import KINDS, Registry
-from clipkit.types import (
+from clipkit.contract.registry import KINDS, Registry
+from clipkit.contract.types import (
     CONTEXT_FIELDS,
     Logits,
     LossContext,
@@ -103,7 +103,7 @@ def _submodule(module, dotted: str):
 
 
 def check_optional_members(plugin, names: tuple[str, ...]) -> None:
-    """The optional members the host reads (:data:`clipkit.types.OPTIONAL_MEMBERS`) have the declared
+    """The optional members the host reads (:data:`clipkit.contract.types.OPTIONAL_MEMBERS`) have the declared
     types when a plugin sets them: booleans are bools, a projection name names a module."""
     for name in names:
         value = optional_member(plugin, name)
@@ -176,7 +176,7 @@ def check_encoder(encoder, inputs: torch.Tensor, *, normalized: bool = True) -> 
 def check_plugin(plugin, *, with_builtins: bool = True) -> Registry:
     """The plugin registers under the ``clipkit`` hooks, with no misspelled hooks and no
     name clashing with the built-ins; returns the resulting registry."""
-    from clipkit.manager import make_plugin_manager
+    from clipkit.contract.manager import make_plugin_manager
 
     pm = (
         make_plugin_manager(autoload=False, extra_plugins=[plugin])
@@ -198,7 +198,7 @@ def check_plugin(plugin, *, with_builtins: bool = True) -> Registry:
 def _bare_manager(plugin):
     import pluggy
 
-    from clipkit import hookspecs
+    from clipkit.contract import hookspecs
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -222,9 +222,9 @@ def check_training_step(
     loss is finite and that every trainable parameter of the towers and the similarity gets a
     finite gradient; returns the loss's output.
     """
-    from clipkit.manager import make_plugin_manager
+    from clipkit.config.recipe import load_recipe, validate_or_raise
+    from clipkit.contract.manager import make_plugin_manager
     from clipkit.model import build_model
-    from clipkit.recipe import load_recipe, validate_or_raise
     from clipkit.train.objective import build_objective
     from clipkit.train.step import TrainingStep
 

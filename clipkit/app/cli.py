@@ -1,4 +1,4 @@
-"""The ``clipkit`` command line: parse, call one typed function in :mod:`clipkit.api`, print.
+"""The ``clipkit`` command line: parse, call one typed function in :mod:`clipkit.app.api`, print.
 
 Nothing heavy is imported at module level, so ``clipkit --help`` starts without torch.
 Experiment knobs are recipe overrides (``key=value``), not flags.
@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from clipkit.commands import fails_cleanly, registry
+from clipkit.app.commands import fails_cleanly, registry
 from clipkit.errors import ClipkitError
 
 HELP = """clipkit — contrastive multimodal (CLIP-family) pretraining research toolkit.
@@ -66,7 +66,7 @@ def eval_task_names() -> list[str]:
 
 
 def convert_layouts() -> list[str]:
-    from clipkit.api import CONVERT_LAYOUTS
+    from clipkit.app.api import CONVERT_LAYOUTS
 
     return [name.strip() for name in CONVERT_LAYOUTS.split(",")]
 
@@ -125,7 +125,7 @@ def shard_command(
 
     An interrupted run (even kill -9) leaves OUT.partial; rerun the same command to continue it.
     """
-    from clipkit import api
+    from clipkit.app import api
 
     if verify:
         verify_command(out or Path(source))
@@ -177,7 +177,7 @@ def print_image_counts(manifest: dict) -> None:
 
 
 def verify_command(directory: Path) -> None:
-    from clipkit import api
+    from clipkit.app import api
 
     report = api.verify(directory)
     for problem in report["problems"]:
@@ -229,14 +229,14 @@ def train_command(
     SIGTERM or Ctrl-C finishes the current step, writes a checkpoint, prints the command that
     resumes it and exits with 143 / 130; a second signal stops at once.
     """
-    from clipkit import api
+    from clipkit.app import api
     from clipkit.train.runtime import launched_as_main
 
     own_data = None
     if data is not None or eval_data or label is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
-        from clipkit.own_data import OwnData
+        from clipkit.app.own_data import OwnData
 
         own_data = OwnData(
             data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs
@@ -282,7 +282,7 @@ def export_command(
 
     OUT must be new, empty or an earlier export; --overwrite replaces any other folder (never the run).
     """
-    from clipkit import api
+    from clipkit.app import api
 
     path = api.export(
         run_dir,
@@ -321,7 +321,7 @@ def convert_command(
 
     OUT must be new, empty or an earlier output of the same layout; --overwrite replaces any other
     (never SOURCE)."""
-    from clipkit import api
+    from clipkit.app import api
 
     path = api.convert(source, out, to, quick_gelu=quick_gelu, overwrite=overwrite, registry=registry())
     typer.echo(f"converted {source} to {path} ({to})")
@@ -366,7 +366,7 @@ def eval_command(
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
     """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
-    from clipkit import api
+    from clipkit.app import api
 
     tasks, skip_missing = None, False
     if tasks_file is not None:
@@ -419,8 +419,8 @@ def read_tasks_file(path: Path, root: str | None = None) -> tuple[list[dict], bo
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from clipkit.artifacts import one_line, read_text, yaml_problem
-    from clipkit.recipe import resolve_interpolations
+    from clipkit.artifacts.files import one_line, read_text, yaml_problem
+    from clipkit.config.recipe import resolve_interpolations
 
     text = read_text(path, "tasks file")
     try:
@@ -461,7 +461,7 @@ def report_command(
     ] = None,
 ):
     """Compare runs: loss curves overlaid, and their eval results side by side."""
-    from clipkit import api
+    from clipkit.app import api
 
     written = api.report(runs, out, metrics=metric or None)
     for path in written:
@@ -471,7 +471,7 @@ def report_command(
 @fails_cleanly
 def plugins_command(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False):
     """List plugins with their distribution, version and registered names."""
-    from clipkit.manager import plugin_distribution
+    from clipkit.contract.manager import plugin_distribution
 
     reg = registry()
     rows = []
@@ -519,7 +519,7 @@ def recipes_command():
     """List recipes and their variants."""
     from rich.table import Table
 
-    from clipkit.recipe import read_base, variants_of
+    from clipkit.config.recipe import read_base, variants_of
 
     reg = registry()
     table = Table("recipe", "variants", "description")
@@ -548,18 +548,18 @@ def validate_command(
 ):
     """Check every plugin slot of a recipe against its factory's signature, and its data location
     as `train` would (builds nothing, writes nothing)."""
-    from clipkit import api
+    from clipkit.app import api
 
     resolved = api.resolve(recipe, overrides or [], registry())
     if show:
         from omegaconf import OmegaConf
 
-        from clipkit.own_data import knob_lines
+        from clipkit.app.own_data import knob_lines
 
         typer.echo(OmegaConf.to_yaml(OmegaConf.create(resolved)))
         typer.echo("\n".join(knob_lines(resolved)))
     api.check_data(resolved, registry())
-    from clipkit.recipe import distributed_config, section
+    from clipkit.config.recipe import distributed_config, section
     from clipkit.tiled.settings import explain
     from clipkit.train.runtime import sharding
 
@@ -575,7 +575,7 @@ def parse_pairs(items: list[str], typed: bool = False) -> list[tuple[str, object
         if not sep:
             raise ClipkitError(f"expected key=value, got {item!r}")
         if typed:
-            from clipkit.recipe import parse_value
+            from clipkit.config.recipe import parse_value
 
             value = parse_value(value)
         pairs.append((key, value))
@@ -635,7 +635,7 @@ def print_summary(result) -> None:
 
         print_evals(result.evals, summarize(result.evals))
         typer.echo(f"eval report: {result.run_dir / 'eval.json'}")
-    from clipkit.run_length import short_run_note
+    from clipkit.app.run_length import short_run_note
 
     note = short_run_note(result.metrics)
     if note:  # the last line, where it is read
@@ -686,8 +686,8 @@ def global_options(
 
     Options before the command: logging goes to stderr (step lines when stderr is no terminal);
     --debug also prints the traceback of user-facing errors."""
-    from clipkit.commands import DEBUG
-    from clipkit.watch import configure_logging
+    from clipkit.app.commands import DEBUG
+    from clipkit.app.watch import configure_logging
 
     DEBUG["on"] = debug
     try:
@@ -710,10 +710,10 @@ def make_app(pm=None) -> typer.Typer:
     app.command("plugins")(plugins_command)
     app.command("recipes")(recipes_command)
     app.command("validate")(validate_command)
-    from clipkit.registry import use_plugin_manager
+    from clipkit.contract.registry import use_plugin_manager
 
     if pm is None:
-        from clipkit.manager import make_plugin_manager
+        from clipkit.contract.manager import make_plugin_manager
 
         pm = make_plugin_manager()
     use_plugin_manager(pm)
@@ -722,7 +722,7 @@ def make_app(pm=None) -> typer.Typer:
 
 
 def main() -> None:
-    from clipkit.quiet import route_third_party_warnings
+    from clipkit.app.quiet import route_third_party_warnings
 
     route_third_party_warnings()  # third-party warnings go to the debug log (CLIPKIT_DEBUG=1 shows them)
     try:

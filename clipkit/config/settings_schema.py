@@ -4,14 +4,14 @@ Each section of a recipe is a dataclass; each field declares a setting's type, d
 :data:`typing.Annotated` metadata, the same way plugin factories declare their parameters) its
 allowed values. Everything else is derived from these classes, so they cannot disagree:
 
-* ``clipkit.recipe.section(recipe, "train")`` — the typed view the code reads (defaults filled in);
-* ``validate``'s unknown-key and type checks (:func:`clipkit.recipe.validate`);
+* ``clipkit.config.recipe.section(recipe, "train")`` — the typed view the code reads (defaults filled in);
+* ``validate``'s unknown-key and type checks (:func:`clipkit.config.recipe.validate`);
 * :data:`HOST`, the range and choice of every constrained setting (:func:`check_host`), so anything
   ``validate`` accepts cannot fail in ``train`` on a settings error.
 
 To add a host setting, add a field to its section's class below (``Annotated[type, constraint]``
 when its values are bounded) with a comment saying what it does; nothing else needs listing.
-The constraint vocabulary lives in :mod:`clipkit.constraints` (re-exported here, where plugin
+The constraint vocabulary lives in :mod:`clipkit.config.constraints` (re-exported here, where plugin
 authors have always imported it from).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from clipkit.constraints import (  # noqa: F401 — re-exported: plugins import Range/OneOf from here
+from clipkit.config.constraints import (  # noqa: F401 — re-exported: plugins import Range/OneOf from here
     NON_NEGATIVE,
     POSITIVE,
     PROBABILITY,
@@ -32,7 +32,7 @@ from clipkit.constraints import (  # noqa: F401 — re-exported: plugins import 
     annotated_constraints,
     parameter_constraints,
 )
-from clipkit.dotted import lookup
+from clipkit.config.dotted import lookup
 
 #: ``torch.compile`` modes, plus "none" (eager). "reduce-overhead" adds CUDA graphs on GPUs;
 #: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
@@ -67,7 +67,7 @@ class DataConfig:
     # Lower batch_size to what the training split holds when it holds less than one batch (with a
     # notice) instead of refusing: the tiny variants set it so they run on a small table as given.
     fit_batch: bool = False
-    # loader processes; auto: from the usable CPUs (clipkit.machine)
+    # loader processes; auto: from the usable CPUs (clipkit.config.machine)
     num_workers: Annotated[int | str, NON_NEGATIVE] = "auto"
     shuffle_buffer: Annotated[int, NON_NEGATIVE] = 1000
     resampled: bool = False  # draw each epoch's shards with replacement (seeded), as WebDataset's resampling
@@ -90,7 +90,7 @@ class DataConfig:
     # "#rrggbb" or [r, g, b] (clipkit.data.image_modes; docs/data.md "Colour modes").
     background: str | list = "white"
     # Fraction of samples (by a hash of their key) left out of training for evaluation; set by
-    # `clipkit train --data` (--holdout), see clipkit.own_data.
+    # `clipkit train --data` (--holdout), see clipkit.app.own_data.
     holdout: float = 0.0
 
 
@@ -109,7 +109,8 @@ class ModelConfig:
     text_encoder: Any = None
     tokenizer: Any = None
     # Start training from existing weights: a path (clipkit export, open_clip / Hugging Face CLIP
-    # directory, OpenAI-layout .safetensors) or {path, include, exclude, strict} (clipkit/init_weights.py).
+    # directory, OpenAI-layout .safetensors) or {path, include, exclude, strict}
+    # (clipkit/model/init_weights.py).
     init: Any = None
     frozen: tuple = ()  # towers to lock while training: image_encoder and/or text_encoder (LiT)
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from clipkit.dotted import get_path
+from clipkit.config.dotted import get_path
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

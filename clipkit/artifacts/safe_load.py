@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from clipkit.artifacts.integrity import policy
 from clipkit.errors import ArtifactError, UnsafeCheckpointError
-from clipkit.integrity import policy
 
 RNG_FORMAT = 1
 TRUST_HINT = (

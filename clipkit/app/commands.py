@@ -42,6 +42,6 @@ def fails_cleanly(command):
 
 
 def registry():
-    from clipkit.registry import default_registry
+    from clipkit.contract.registry import default_registry
 
     return default_registry()

@@ -2,7 +2,7 @@
 
 Everything is built from registered names through :func:`build_slot`, which passes the
 host-supplied arguments (``embed_dim``, ``vocab_size``, ...) only to factories whose
-signature names them — the same rule :func:`clipkit.recipe.validate` checks.
+signature names them — the same rule :func:`clipkit.config.recipe.validate` checks.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from clipkit.config.recipe import SLOTS, section
+from clipkit.contract.registry import Registry
+from clipkit.contract.types import PointSet
 from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
-from clipkit.recipe import SLOTS, section
-from clipkit.registry import Registry
-from clipkit.types import PointSet
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}
 
@@ -63,7 +63,7 @@ class ContrastiveModel(nn.Module):
         self.transform = transform
         self.pair = pair
         self.eval_seed = eval_seed  # fixes random features (WPSE) at evaluation and in exports
-        self.frozen_towers: tuple[str, ...] = ()  # model.frozen (clipkit.init_weights)
+        self.frozen_towers: tuple[str, ...] = ()  # model.frozen (clipkit.model.init_weights)
 
     def train(self, mode: bool = True) -> ContrastiveModel:
         """Locked towers (``model.frozen``) stay in eval mode: no BatchNorm updates, no dropout."""

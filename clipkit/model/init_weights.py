@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.recipe import section
 from clipkit.errors import ClipkitError
-from clipkit.recipe import section
 
 TOWERS = ("image_encoder", "text_encoder")
 #: Cached sample outputs per frozen module; beyond this the cache stops growing (then it only serves
@@ -118,7 +118,7 @@ def selected(keys, include: list[str], exclude: list[str]) -> list[str]:
 
 def init_from(model: nn.Module, init: Any, registry) -> list[str]:
     """Copy the source's selected weights into ``model`` (in place); returns the keys copied."""
-    from clipkit.export_reader import load_model
+    from clipkit.artifacts.reader import load_model
 
     options = init_options(init)
     where = f"model.init ({options['path']})"

@@ -28,7 +28,7 @@ def register_encoders(register):
     """Register encoder factories: ``register(name, factory)``.
 
     ``factory(**recipe_kwargs) -> nn.Module`` whose ``forward`` returns a
-    :class:`clipkit.types.PointSet`. The host also passes, when the factory's signature
+    :class:`clipkit.contract.types.PointSet`. The host also passes, when the factory's signature
     names them: ``embed_dim`` (model.embed_dim), ``image_size`` (image encoders),
     ``vocab_size`` and ``context_length`` (text encoders, from the tokenizer).
 
@@ -47,7 +47,7 @@ def register_tokenizers(register):
 @hookspec
 def register_similarities(register):
     """Register similarity factories: ``factory(**kwargs) -> nn.Module`` implementing
-    :class:`clipkit.types.Similarity`. Learnable parameters (temperature, bandwidth) live in
+    :class:`clipkit.contract.types.Similarity`. Learnable parameters (temperature, bandwidth) live in
     the module; ``embed_dim`` is passed when the signature names it."""
 
 
@@ -121,7 +121,7 @@ def open_source(uri, options):
 
     uri:     e.g. ``synthetic://shapes?n=4096`` or a path.
     options: dict of extra options (from the CLI or recipe).
-    Returns an iterable of :class:`clipkit.types.Sample` with an ``info() -> dict`` method.
+    Returns an iterable of :class:`clipkit.contract.types.Sample` with an ``info() -> dict`` method.
     """
 
 

@@ -3,7 +3,7 @@
 Exports record their weight files in ``clipkit.json``; checkpoints record every file in
 ``checkpoint.json``. Checksums detect damage (a flipped byte, a truncated copy, a file from another
 run), not tampering: whoever can rewrite a file can rewrite its checksum too. Safety against crafted
-files comes from never unpickling them (:mod:`clipkit.safe_load`).
+files comes from never unpickling them (:mod:`clipkit.artifacts.safe_load`).
 
 What a load does is set once per command by :func:`loading` (the CLI's ``--no-verify`` and
 ``--trust-checkpoint``), so the code between the command and the file need not pass flags along.

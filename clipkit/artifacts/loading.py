@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from clipkit.types import PointSet
+from clipkit.contract.types import PointSet
 
 if TYPE_CHECKING:
+    from clipkit.contract.registry import Registry
     from clipkit.data.transforms import ImageTransform
     from clipkit.model import ContrastiveModel
-    from clipkit.registry import Registry
 
 
 class Preprocess:
@@ -119,8 +119,8 @@ def load(
     activation a bare state dict was trained with, which its tensors cannot say (None: from a
     config beside it or the header clipkit writes, else refused).
     """
-    from clipkit.export_reader import load_model
-    from clipkit.registry import default_registry
+    from clipkit.artifacts.reader import load_model
+    from clipkit.contract.registry import default_registry
 
     options = {"quick_gelu": quick_gelu}
     contrastive, metadata = load_model(Path(path), registry or default_registry(), options=options)

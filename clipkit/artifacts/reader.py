@@ -1,9 +1,9 @@
 """Reading a clipkit export: ``clipkit.json`` (metadata), ``model.safetensors`` (weights) and their
-checksums — apart from the writer (:mod:`clipkit.export`), so that evaluation, ``clipkit.load`` and
+checksums — apart from the writer (:mod:`clipkit.artifacts.export`), so that evaluation, ``clipkit.load`` and
 ``model.init`` never import training code (tests/test_architecture.py checks).
 
 Every way an export can be damaged is an :class:`~clipkit.errors.ArtifactError` naming the file;
-every path it names stays inside it (:func:`clipkit.integrity.reading_artifact`).
+every path it names stays inside it (:func:`clipkit.artifacts.integrity.reading_artifact`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from clipkit.artifacts import one_line, read_json_object
+from clipkit.artifacts.files import one_line, read_json_object
+from clipkit.artifacts.integrity import policy, reading_artifact, verify_files, warn_unverified
+from clipkit.config.recipe import validate
+from clipkit.contract.registry import KINDS, Registry
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.integrity import policy, reading_artifact, verify_files, warn_unverified
 from clipkit.model import ContrastiveModel, build_model
-from clipkit.recipe import validate
-from clipkit.registry import KINDS, Registry
 
 FORMAT = "clipkit-export/1"
 WEIGHTS = "model.safetensors"

@@ -45,7 +45,7 @@ class RunLength:
 
 def sized_by_epochs(spec: str) -> bool:
     """Whether recipe ``spec`` sizes an own-data run by epochs by default: the tiny variants."""
-    from clipkit.recipe import split_spec
+    from clipkit.config.recipe import split_spec
 
     name, variant = split_spec(spec)
     return name == "quickstart" or "tiny" in (variant or "").split("+")
@@ -68,7 +68,7 @@ def steps_for(epochs: float, num_samples: int, batch_size: int, cap: int | None 
 def training_batch(recipe: dict, num_samples: int) -> int:
     """The global batch a run of ``recipe`` uses on ``num_samples`` training samples (one process):
     ``data.batch_size``, lowered to the split by ``data.fit_batch`` when it holds less."""
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
 
     data = section(recipe, "data")
     batch = int(data.batch_size)
@@ -80,10 +80,10 @@ def count_training_samples(recipe: dict, registry) -> int | None:
     when missing) less the held-out split. None under several processes when the shards are not
     made yet: every process runs this before any can wait for another, so none may shard here
     (process 0 shards during training, as without ``--data``)."""
+    from clipkit.config.recipe import section
     from clipkit.data.loader import training_split
     from clipkit.data.shard import MANIFEST
     from clipkit.data.shard_writer import ensure_shards
-    from clipkit.recipe import section
     from clipkit.train.build import check_data_location, shard_target
 
     data = section(recipe, "data")
@@ -99,7 +99,7 @@ def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> R
     """The run's length on its data: ``epochs`` when given, :data:`DEFAULT_EPOCHS` (capped) when
     ``by_default``, else the recipe's ``train.steps``; None when the data cannot be counted before
     training (:func:`count_training_samples`)."""
-    from clipkit.recipe import section
+    from clipkit.config.recipe import section
 
     num_samples = count_training_samples(recipe, registry)
     if num_samples is None:
@@ -149,7 +149,7 @@ def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float |
     """(``recipe`` with ``train.steps`` sized by epochs over the user's data, the
     ``N steps = E epochs of your M samples`` line to print). The table is sharded now (its sample
     count sets the steps); the user's own ``train.steps=N`` is kept as given."""
-    from clipkit.recipe import amend_resolved, section, validate_or_raise
+    from clipkit.config.recipe import amend_resolved, section, validate_or_raise
 
     user_steps = sets_steps(user_overrides)
     length = plan(

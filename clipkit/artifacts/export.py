@@ -1,5 +1,5 @@
 """`clipkit export`: a run -> ``model.safetensors`` + self-describing ``clipkit.json`` (the writer;
-reading an export is :mod:`clipkit.export_reader`'s, which imports no training code).
+reading an export is :mod:`clipkit.artifacts.reader`'s, which imports no training code).
 
 The JSON names every plugin by its registered name with its arguments, the plugin's
 distribution and version, the preprocessing, the tokenizer and the fixed random-feature
@@ -8,7 +8,7 @@ access to the run — and the sha256 of the weights (``files``), checked on load
 ``--no-verify``. ``clipkit eval`` reads only this directory; every way it can be damaged is
 reported as an :class:`~clipkit.errors.ArtifactError` naming the file.
 
-Every path an export names stays inside it (:func:`clipkit.integrity.contained`: resolved, symlinks
+Every path an export names stays inside it (:func:`clipkit.artifacts.integrity.contained`: resolved, symlinks
 followed): a ``files`` entry or a plugin file argument leading out (``../../etc/passwd``) is refused
 by name before anything is read. Files a plugin needs (a WordPiece ``vocab.txt``; the tokenizer's
 ``export_files``) are copied into the export and checksummed with the weights.
@@ -26,16 +26,16 @@ from typing import Any
 import torch
 
 from clipkit import __version__
-from clipkit.artifacts import one_line, read_yaml_mapping
-from clipkit.dotted import get_path
+from clipkit.artifacts.files import one_line, read_yaml_mapping
+from clipkit.artifacts.integrity import describe_files
+from clipkit.artifacts.io import Kept, OutputKind, atomic_directory, claim_output_directory, tensor_bytes
+from clipkit.artifacts.reader import FORMAT, METADATA, WEIGHTS
+from clipkit.config.dotted import get_path
+from clipkit.config.recipe import SLOTS, section, validate_or_raise
+from clipkit.contract.manager import plugin_distribution
+from clipkit.contract.registry import Registry
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.export_reader import FORMAT, METADATA, WEIGHTS
-from clipkit.integrity import describe_files
-from clipkit.io import Kept, OutputKind, atomic_directory, claim_output_directory, tensor_bytes
-from clipkit.manager import plugin_distribution
 from clipkit.model import ContrastiveModel, build_model
-from clipkit.recipe import SLOTS, section, validate_or_raise
-from clipkit.registry import Registry
 from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 
 #: What an export directory holds: its files and the reports `clipkit eval` writes beside them. A
@@ -114,7 +114,7 @@ def write_export(
     kept: str = "",
 ) -> Path:
     """Write weights + metadata into ``out_dir`` atomically (a complete export or none; a full disk
-    is one :class:`~clipkit.io.DiskFullError` line, nothing left behind). An existing ``out_dir``
+    is one :class:`~clipkit.artifacts.io.DiskFullError` line, nothing left behind). An existing ``out_dir``
     is replaced only when it is empty or an export (``overwrite``: whatever it holds)."""
     from safetensors.torch import save_model
 
