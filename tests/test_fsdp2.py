@@ -245,3 +245,15 @@ def test_a_changed_or_missing_shard_is_refused_by_the_manifest(tmp_path):
     shard.unlink()
     with pytest.raises(ArtifactError, match="distcp"):
         load_state(tmp_path)
+
+
+def test_a_launcher_asking_for_fsdp_must_agree_with_the_recipe(monkeypatch):
+    from clipkit.train.runtime import check_launcher_agrees
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(
+        ClipkitError, match="--use_fsdp .*strategy is 'ddp'; set train.distributed.strategy=fsdp2"
+    ):
+        check_launcher_agrees(DistributedConfig())
+    check_launcher_agrees(DistributedConfig(strategy="fsdp2"))
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"  # Accelerate's own FSDP plugin stays out
