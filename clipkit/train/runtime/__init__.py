@@ -325,10 +325,9 @@ class Runtime:
         destroy the process group, so no process exits while its collectives' threads still run (a
         rank was seen aborting at exit with "terminate called without an active exception"). What
         follows training (export, evaluation) is local to the main process."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # one process has a group only under FSDP2 (which needs one): nothing to wait for
-            if self.world_size > 1:
-                self.accelerator.wait_for_everyone()
+        self._strategy.close()  # FSDP2's own one-process group, if it started one
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
             torch.distributed.destroy_process_group()
 
 
