@@ -257,3 +257,13 @@ def test_a_launcher_asking_for_fsdp_must_agree_with_the_recipe(monkeypatch):
         check_launcher_agrees(DistributedConfig())
     check_launcher_agrees(DistributedConfig(strategy="fsdp2"))
     assert os.environ["ACCELERATE_USE_FSDP"] == "false"  # Accelerate's own FSDP plugin stays out
+
+
+def test_the_resnet_declares_each_residual_block():
+    """Its stages are nn.Sequentials, which the default policy would not look into."""
+    from clipkit.plugins.encoders.resnet import resnet
+
+    tower = resnet(embed_dim=8, image_size=32, layers=(1, 2, 1, 1), width=4, block="basic", stem="cifar")
+    blocks = wrapping.blocks(tower)
+    assert len(blocks) == 5 and blocks == [block for stage in tower.stages() for block in stage]
+    assert wrapping.default_blocks(tower) == []
