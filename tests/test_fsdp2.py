@@ -225,3 +225,45 @@ def test_validate_explains_the_strategy_and_refuses_fp16_with_fsdp2(in_tmp):
     assert (
         refused.exit_code == 2 and "train.precision: train.precision=fp16 is not supported" in refused.output
     )
+
+
+def test_a_changed_or_missing_shard_is_refused_by_the_manifest(tmp_path):
+    """The DCP files are covered by checkpoint.json like every other file: resume and export
+    refuse a checkpoint whose shard changed or went missing."""
+    from clipkit.train.checkpoint import STATE, load_state, write_manifest
+
+    write_dcp(tmp_path, {"model/w": torch.ones(4)})
+    state = {"step": 2, "schedule": {}, "data": {"epoch": 0, "batch_in_epoch": 2}, "model": None}
+    torch.save(state, tmp_path / STATE)
+    write_manifest(tmp_path)
+    assert load_state(tmp_path)["step"] == 2
+    shard = next(dcp_files.directory(tmp_path).glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one byte changed
+    with pytest.raises(ArtifactError, match="distcp"):
+        load_state(tmp_path)
+    shard.unlink()
+    with pytest.raises(ArtifactError, match="distcp"):
+        load_state(tmp_path)
+
+
+def test_a_launcher_asking_for_fsdp_must_agree_with_the_recipe(monkeypatch):
+    from clipkit.train.runtime import check_launcher_agrees
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(
+        ClipkitError, match="--use_fsdp .*strategy is 'ddp'; set train.distributed.strategy=fsdp2"
+    ):
+        check_launcher_agrees(DistributedConfig())
+    check_launcher_agrees(DistributedConfig(strategy="fsdp2"))
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"  # Accelerate's own FSDP plugin stays out
+
+
+def test_the_resnet_declares_each_residual_block():
+    """Its stages are nn.Sequentials, which the default policy would not look into."""
+    from clipkit.plugins.encoders.resnet import resnet
+
+    tower = resnet(embed_dim=8, image_size=32, layers=(1, 2, 1, 1), width=4, block="basic", stem="cifar")
+    blocks = wrapping.blocks(tower)
+    assert len(blocks) == 5 and blocks == [block for stage in tower.stages() for block in stage]
+    assert wrapping.default_blocks(tower) == []

@@ -84,3 +84,17 @@ def test_two_processes_tiled_equal_one_process_full(tiled_equivalence):
         for results in (one, two):
             assert_close(results[(loss, local, micro, True)], reference)
             assert_close(results[(loss, local, micro, False)], reference)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_tiled_equal_one_process_full(tiled_equivalence, tmp_path):
+    """FSDP2 (sharded towers, replicated similarity): the tiled loss, global and local, with and
+    without exact accumulation, gives the full-batch loss and gradients (issue 40)."""
+    from test_distributed import torchrun
+
+    torchrun(HERE / "distributed" / "tiled_equivalence.py", str(tmp_path), "fsdp2", cwd=tmp_path)
+    one, sharded = tiled_equivalence[0], torch.load(tmp_path / "tiled-2-fsdp2.pt", weights_only=False)
+    for loss, local, micro, tiled in [case for case in one if case[3]]:
+        reference = one[(loss, False, 0, False)]
+        assert_close(sharded[(loss, local, micro, tiled)], reference)
+        assert_close(sharded[(loss, local, micro, False)], reference)

@@ -32,8 +32,8 @@ CASES = [  # (loss, local_loss, micro-batch size: 0 = the process's whole share,
 ]
 
 
-def main(out: Path) -> None:
-    rt, *rest = setup()
+def main(out: Path, strategy: str = "ddp") -> None:
+    rt, *rest = setup(strategy)
     results = {}
     for loss_name, local, micro, tiled in CASES:
         tiling = Tiling("true" if tiled else "false", TILE)
@@ -42,9 +42,11 @@ def main(out: Path) -> None:
         results[(loss_name, local, micro, tiled)] = {"loss": result["loss"], "grads": result["grads"]}
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(results, out / f"tiled-{rt.world_size}.pt")
+        suffix = "" if strategy == "ddp" else f"-{strategy}"
+        torch.save(results, out / f"tiled-{rt.world_size}{suffix}.pt")
     rt.wait()
+    rt.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:])  # an optional strategy: fsdp2

@@ -334,10 +334,9 @@ class Runtime:
         destroy the process group, so no process exits while its collectives' threads still run (a
         rank was seen aborting at exit with "terminate called without an active exception"). What
         follows training (export, evaluation) is local to the main process."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # one process has a group only under FSDP2 (which needs one): nothing to wait for
-            if self.world_size > 1:
-                self.accelerator.wait_for_everyone()
+        self._strategy.close()  # FSDP2's own one-process group, if it started one
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.accelerator.wait_for_everyone()
             torch.distributed.destroy_process_group()
 
 
@@ -389,15 +388,25 @@ def split_batch(global_batch_size: int | None, micro_batch_size: int, world_size
 
 
 def check_launcher_agrees(config: DistributedConfig) -> None:
-    """The recipe decides DeepSpeed and its ZeRO stage. A launcher's ``--use_deepspeed`` is accepted
-    when the recipe agrees (and then left to clipkit), refused when it contradicts the recipe."""
+    """The recipe decides DeepSpeed and its ZeRO stage, and FSDP2. A launcher's ``--use_deepspeed``
+    or ``--use_fsdp`` is accepted when the recipe agrees (and then left to clipkit), refused when it
+    contradicts the recipe."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        if config.strategy != "fsdp2":
+            raise ClipkitError(
+                "the launcher asked for FSDP (--use_fsdp or an FSDP accelerate config) but the recipe's "
+                f"train.distributed.strategy is '{config.strategy}'; set train.distributed.strategy=fsdp2: "
+                "clipkit shards the model itself, per block, from the recipe"
+            )
+        os.environ["ACCELERATE_USE_FSDP"] = "false"  # clipkit shards, not Accelerate's FSDP plugin
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return
     if config.strategy != "deepspeed":
         raise ClipkitError(
             "the launcher asked for DeepSpeed (--use_deepspeed or a DeepSpeed accelerate config) but the "
-            "recipe's train.distributed.strategy is 'ddp'; set train.distributed.strategy=deepspeed "
-            "(and train.distributed.zero_stage=N): clipkit derives the DeepSpeed config from the recipe"
+            f"recipe's train.distributed.strategy is '{config.strategy}'; set "
+            "train.distributed.strategy=deepspeed (and train.distributed.zero_stage=N): clipkit derives "
+            "the DeepSpeed config from the recipe"
         )
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if stage is not None and int(stage) != config.zero_stage:

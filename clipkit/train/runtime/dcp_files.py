@@ -141,7 +141,7 @@ def read_all(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def full_state(checkpoint: Path, plain: Mapping[str, Any]) -> tuple[dict, dict]:
     """(model state, optimiser state by parameter name), whole, from the DCP files and state.pt's
-    plain part; every tensor in fp32 where it was (the shards are the training dtype)."""
+    plain part (``plain``: what :func:`split` put aside), each tensor in the dtype it was saved in."""
     return join(read_all(checkpoint), plain)
 
 

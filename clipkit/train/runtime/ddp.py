@@ -127,6 +127,9 @@ class DDPStrategy:
         """The in-memory ``plain`` model on the main process (None elsewhere); ``rebuild`` is unused."""
         return plain if is_main else None
 
+    def close(self) -> None:
+        """Nothing of its own to release (Accelerate owns the process group)."""
+
 
 def load_full_state(model, optimizer, state: dict, checkpoint: Path) -> None:
     """state's full ``model`` and ``optimizer`` into the plain model and optimiser; a mismatch is

@@ -42,13 +42,15 @@ from clipkit.train.runtime.strategy import HALF, StepResult
 FP16_REFUSAL = FSDP2_FP16_REFUSAL
 
 
-def ensure_process_group(device: torch.device) -> None:
+def ensure_process_group(device: torch.device) -> bool:
     """FSDP2 needs a process group even for one process (``clipkit train`` without a launcher):
-    start a one-process group in memory then."""
+    start a one-process group in memory then. Returns whether it started one (its owner destroys
+    it; a launcher's group is Accelerate's)."""
     if dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 class FSDP2Strategy:
@@ -66,6 +68,7 @@ class FSDP2Strategy:
         self.optimizer = None  # set by prepare
         self.replicated: list[torch.nn.Parameter] = []
         self._full_optimizer_state: dict | None = None  # a DDP checkpoint's, until sharded
+        self._own_group = False  # started the one-process group itself (ensure_process_group)
 
     # ------------------------------------------------------------------ wrapping
 
@@ -86,7 +89,7 @@ class FSDP2Strategy:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        ensure_process_group(self.device)
+        self._own_group = ensure_process_group(self.device) or self._own_group
         model.to(self.device)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
@@ -229,6 +232,12 @@ class FSDP2Strategy:
         fresh = rebuild()
         fresh.load_state_dict(state)
         return fresh.to(device)
+
+    def close(self) -> None:
+        """Destroy the one-process group this strategy started (none under a launcher)."""
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
 
 
 @contextlib.contextmanager

@@ -158,6 +158,9 @@ class DeepSpeedStrategy:
         fresh.load_state_dict(state)
         return fresh.to(device)
 
+    def close(self) -> None:
+        """Nothing of its own to release (Accelerate owns the process group)."""
+
 
 def _float_or_none(value) -> float | None:
     if value is None:
