@@ -49,7 +49,7 @@ if triton is not None:
         ks = tl.arange(0, BK)
         rows64 = rows.to(tl.int64)
         cols64 = cols.to(tl.int64)
-        acc = tl.zeros([BM, BN], dtype=ACC)
+        acc = tl.full([BM, BN], 0.0, dtype=ACC)
         for k0 in range(0, D, BK):
             k = k0 + ks
             k_ok = k < D
@@ -65,7 +65,7 @@ if triton is not None:
         return acc * scale + bias
 
     @triton.jit
-    def _direction_grad(L, valid, d_rows, d_rows_ok, d_cols, d_cols_ok,
+    def _direction_grad(L, zero, valid, d_rows, d_rows_ok, d_cols, d_cols_ok,
                         TGT, LSE, G_LSE, LSE_ROW, LSE_COL, G_SUM, SUM_ROW, SUM_COL, factor,
                         HAS_LSE: tl.constexpr, LSE_EXCL: tl.constexpr, LSE_HAS_ROW: tl.constexpr,
                         LSE_HAS_COL: tl.constexpr, SUM_KIND: tl.constexpr, SUM_EXCL: tl.constexpr,
@@ -74,7 +74,7 @@ if triton is not None:
         """[BM, BN] one direction's Σ_r g_r·∂reduction_r/∂L on the tile; the direction's rows (d_rows)
         are the tile's rows (ROWS_FIRST) or its columns (the transposed direction), so every vector of
         the direction's rows is broadcast as [:, None] or [None, :] accordingly."""
-        grad = tl.zeros_like(L)
+        grad = zero
         tgt = tl.load(TGT + d_rows, mask=d_rows_ok, other=-1)
         if ROWS_FIRST:
             positive = tgt[:, None] == d_cols[None, :]
@@ -113,9 +113,9 @@ if triton is not None:
                 sig = tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
                 term = tl.where(positive, -sig, sig)
             elif SUM_KIND == 2:
-                term = tl.zeros_like(L) + factor
+                term = zero + factor
             else:  # factor·exp(L + w), the softmax weight a constant
-                w = tl.zeros_like(L)
+                w = zero
                 if SUM_HAS_ROW:
                     s_row = tl.load(SUM_ROW + d_rows, mask=d_rows_ok, other=0.0).to(L.dtype)
                     if ROWS_FIRST:
@@ -155,17 +155,18 @@ if triton is not None:
         scale = tl.load(SCALE).to(ACC)
         bias = tl.load(BIAS).to(ACC)  # 0 when the similarity has no bias
         tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
-        lse_row = tl.zeros([BM], dtype=ACC)
+        lse_row = tl.full([BM], 0, dtype=ACC)
         if LSE_HAS_ROW:
             lse_row = tl.load(LSE_ROW + rows, mask=row_ok, other=0.0).to(ACC)
-        sum_row = tl.zeros([BM], dtype=ACC)
+        sum_row = tl.full([BM], 0, dtype=ACC)
         if SUM_HAS_ROW:
             sum_row = tl.load(SUM_ROW + rows, mask=row_ok, other=0.0).to(ACC)
         peak = tl.full([BM], float("-inf"), dtype=ACC)
-        total = tl.zeros([BM], dtype=ACC)
+        total = tl.full([BM], 0, dtype=ACC)
         best = tl.full([BM], float("-inf"), dtype=ACC)
-        best_at = tl.zeros([BM], dtype=tl.int64)
-        row_sum = tl.zeros([BM], dtype=ACC)
+        best_at = tl.full([BM], 0, dtype=tl.int64)
+        row_sum = tl.full([BM], 0, dtype=ACC)
+        zero = tl.full([BM, BN], 0.0, dtype=ACC)
         for c0 in range(0, M, BN):
             cols = c0 + tl.arange(0, BN)
             col_ok = cols < M
@@ -202,7 +203,7 @@ if triton is not None:
                 elif SUM_KIND == 2:
                     terms = L * factor
                 else:
-                    w = tl.zeros_like(L) + sum_row[:, None]
+                    w = zero + sum_row[:, None]
                     if SUM_HAS_COL:
                         w += tl.load(SUM_COL + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
                     terms = tl.exp(L + w) * factor * L
@@ -241,21 +242,22 @@ if triton is not None:
         dim_ok = dims < D
         scale = tl.load(SCALE).to(ACC)
         bias = tl.load(BIAS).to(ACC)
-        acc = tl.zeros([BM, BDO], dtype=ACC)
-        g_sum = tl.zeros([BM], dtype=ACC)
+        acc = tl.full([BM, BDO], 0.0, dtype=ACC)
+        g_sum = tl.full([BM], 0, dtype=ACC)
+        zero = tl.full([BM, BN], 0.0, dtype=ACC)
         for c0 in range(0, M, BN):
             cols = c0 + tl.arange(0, BN)
             col_ok = cols < M
             L = _tile_logits(A, B, rows, row_ok, cols, col_ok, D, scale, bias, BM, BN, BK, ACC, FMA, WIDEN,
                              PRECISION)  # fmt: skip
             valid = row_ok[:, None] & col_ok[None, :]
-            G = tl.zeros_like(L)
+            G = zero
             if HAS_LSE or SUM_KIND != 0:
-                G += _direction_grad(L, valid, rows, row_ok, cols, col_ok, TGT, LSE, G_LSE, LSE_ROW, LSE_COL,
+                G += _direction_grad(L, zero, valid, rows, row_ok, cols, col_ok, TGT, LSE, G_LSE, LSE_ROW, LSE_COL,
                                      G_SUM, SUM_ROW, SUM_COL, factor, HAS_LSE, LSE_EXCL, LSE_HAS_ROW,
                                      LSE_HAS_COL, SUM_KIND, SUM_EXCL, SUM_HAS_ROW, SUM_HAS_COL, True)  # fmt: skip
             if T_HAS_LSE or T_SUM_KIND != 0:
-                G += _direction_grad(L, valid, cols, col_ok, rows, row_ok, T_TGT, T_LSE, T_G_LSE, T_LSE_ROW,
+                G += _direction_grad(L, zero, valid, cols, col_ok, rows, row_ok, T_TGT, T_LSE, T_G_LSE, T_LSE_ROW,
                                      T_LSE_COL, T_G_SUM, T_SUM_ROW, T_SUM_COL, t_factor, T_HAS_LSE,
                                      T_LSE_EXCL, T_LSE_HAS_ROW, T_LSE_HAS_COL, T_SUM_KIND, T_SUM_EXCL,
                                      T_SUM_HAS_ROW, T_SUM_HAS_COL, False)  # fmt: skip
