@@ -152,8 +152,14 @@ PRECISIONS = {"fp32": (torch.float32, 1e-5, 1e-5), "bf16": (torch.bfloat16, 1e-4
 
 
 @pytest.mark.parametrize(
-    ("loss", "precision"), [("infonce", "fp32"), ("siglip", "fp32"), ("infonce", "bf16"), ("siglip", "bf16"),
-                            ("dclw", "bf16")]  # fmt: skip
+    ("loss", "precision"),
+    [
+        ("infonce", "fp32"),
+        ("siglip", "fp32"),
+        ("infonce", "bf16"),
+        ("siglip", "bf16"),
+        ("dclw", "bf16"),
+    ],  # fmt: skip
 )
 def test_fused_low_precision_against_float64(kernels, loss, precision):
     """fp32 / bf16 rows (fp32 accumulation) against the float64 full path on the same rounded values,

@@ -118,7 +118,9 @@ def fused_refusal(loss, similarity, features_a: tuple, features_b: tuple) -> str
         return "its two sides' tile features differ in width"
     device = features_a[0].device
     if device.type != "cuda" and not interpreting():
-        return f"the kernels need CUDA tensors (these are on {device.type}; TRITON_INTERPRET=1 runs them on CPU)"
+        return (
+            f"the kernels need CUDA tensors (these are on {device.type}; TRITON_INTERPRET=1 runs them on CPU)"
+        )
     return None
 
 
@@ -205,7 +207,11 @@ class FusedSweeps:
         accumulate = torch.float64 if dtype == torch.float64 else torch.float32
         scale = self.form.scale.reshape(()).to(accumulate)
         bias = self.form.bias
-        bias = torch.zeros((), device=a.device, dtype=accumulate) if bias is None else bias.reshape(()).to(accumulate)
+        bias = (
+            torch.zeros((), device=a.device, dtype=accumulate)
+            if bias is None
+            else bias.reshape(()).to(accumulate)
+        )
         blocks = self.blocks or default_blocks(dtype, a.shape[1])
         outputs = _FusedSweep.apply(plan, blocks, a, b, scale, bias)
         by_direction = dict(zip(DIRECTIONS, (outputs[:4], outputs[4:]), strict=True))
@@ -262,8 +268,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _common(rows: Tensor, accumulate: torch.dtype) -> dict:
     tl = _kernels().tl
-    return {"ACC": tl.float64 if accumulate == torch.float64 else tl.float32,
-            "FMA": rows.dtype == torch.float64, "WIDEN": interpreting(), "PRECISION": _precision(rows.dtype)}  # fmt: skip
+    wide = accumulate == torch.float64
+    return {"ACC": tl.float64 if wide else tl.float32, "FMA": rows.dtype == torch.float64,
+            "WIDEN": interpreting(), "PRECISION": _precision(rows.dtype)}  # fmt: skip
 
 
 def _forward(plan: _Direction, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, blocks: Blocks):

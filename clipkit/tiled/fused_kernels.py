@@ -76,7 +76,7 @@ if triton is not None:
         the direction's rows is broadcast as [:, None] or [None, :] accordingly."""
         grad = zero
         tgt = tl.load(TGT + d_rows, mask=d_rows_ok, other=-1)
-        if ROWS_FIRST:
+        if ROWS_FIRST:  # noqa: SIM108 (a static branch of the kernel, not a runtime choice)
             positive = tgt[:, None] == d_cols[None, :]
         else:
             positive = tgt[None, :] == d_cols[:, None]
@@ -253,12 +253,13 @@ if triton is not None:
             valid = row_ok[:, None] & col_ok[None, :]
             G = zero
             if HAS_LSE or SUM_KIND != 0:
-                G += _direction_grad(L, zero, valid, rows, row_ok, cols, col_ok, TGT, LSE, G_LSE, LSE_ROW, LSE_COL,
-                                     G_SUM, SUM_ROW, SUM_COL, factor, HAS_LSE, LSE_EXCL, LSE_HAS_ROW,
-                                     LSE_HAS_COL, SUM_KIND, SUM_EXCL, SUM_HAS_ROW, SUM_HAS_COL, True)  # fmt: skip
+                G += _direction_grad(L, zero, valid, rows, row_ok, cols, col_ok, TGT, LSE, G_LSE, LSE_ROW,
+                                     LSE_COL, G_SUM, SUM_ROW, SUM_COL, factor, HAS_LSE, LSE_EXCL,
+                                     LSE_HAS_ROW, LSE_HAS_COL, SUM_KIND, SUM_EXCL, SUM_HAS_ROW,
+                                     SUM_HAS_COL, True)  # fmt: skip
             if T_HAS_LSE or T_SUM_KIND != 0:
-                G += _direction_grad(L, zero, valid, cols, col_ok, rows, row_ok, T_TGT, T_LSE, T_G_LSE, T_LSE_ROW,
-                                     T_LSE_COL, T_G_SUM, T_SUM_ROW, T_SUM_COL, t_factor, T_HAS_LSE,
+                G += _direction_grad(L, zero, valid, cols, col_ok, rows, row_ok, T_TGT, T_LSE, T_G_LSE,
+                                     T_LSE_ROW, T_LSE_COL, T_G_SUM, T_SUM_ROW, T_SUM_COL, t_factor, T_HAS_LSE,
                                      T_LSE_EXCL, T_LSE_HAS_ROW, T_LSE_HAS_COL, T_SUM_KIND, T_SUM_EXCL,
                                      T_SUM_HAS_ROW, T_SUM_HAS_COL, False)  # fmt: skip
             g_sum += tl.sum(G, axis=1)

@@ -144,7 +144,8 @@ def global_logits(score: Scorer, features_a: Features, features_b: Features, tar
 
 
 def local_logits(score: Scorer, local_a: Features, all_b: Features, all_a: Features, local_b: Features,
-                 targets: Tensor, parameters, tile_size: int, score_pairs=None, fused=None) -> TiledLogits:  # fmt: skip
+                 targets: Tensor, parameters, tile_size: int, score_pairs=None,
+                 fused=None) -> TiledLogits:  # fmt: skip
     """This process's anchors against the gathered candidates (``train.distributed.local_loss``).
 
     targets [n]: the local anchors' positives among the N gathered candidates (rank·n + arange(n)).
@@ -153,4 +154,6 @@ def local_logits(score: Scorer, local_a: Features, all_b: Features, all_a: Featu
         "i2t": Side(local_a, all_b, targets, anchors_a=True),
         "t2i": Side(local_b, all_a, targets, anchors_a=False),
     }
-    return TiledLogits(score, sides, parameters, tile_size, shared=False, score_pairs=score_pairs, fused=fused)
+    return TiledLogits(
+        score, sides, parameters, tile_size, shared=False, score_pairs=score_pairs, fused=fused
+    )
