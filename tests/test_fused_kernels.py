@@ -238,6 +238,15 @@ def test_auto_never_selects_the_kernels_on_cpu(monkeypatch):
     assert fused.fused_sweeps(InfoNCE(), dot(), *_features(), False) is None
 
 
+def test_auto_can_be_switched_off(monkeypatch):
+    """``CLIPKIT_FUSED_KERNELS=0`` keeps auto on the generic engine (checked without CUDA through the
+    switch itself); ``fused=True`` still demands the kernels."""
+    monkeypatch.setenv("CLIPKIT_FUSED_KERNELS", "0")
+    assert not fused.auto_enabled()
+    monkeypatch.setenv("CLIPKIT_FUSED_KERNELS", "1")
+    assert fused.auto_enabled()
+
+
 def test_fused_true_explains_why_not(monkeypatch):
     """``fused=True`` names the reason it cannot run: a loss or similarity that does not declare it,
     CPU tensors outside the interpreter."""

@@ -15,7 +15,8 @@ The contract (docs/plugins.md "Fused kernels"):
   at most one ``RowSum`` of a named term (:mod:`clipkit.tiled.terms`) and any ``ArgMax`` / ``Max``.
 
 Selection (:func:`fused_sweeps`): ``fused=None`` (auto) uses the kernels for CUDA tensors when triton
-imports and both plugins declare support; ``fused=True`` demands them (an error says why not; CPU
+imports and both plugins declare support (``CLIPKIT_FUSED_KERNELS=0`` switches this off);
+``fused=True`` demands them (an error says why not; CPU
 tensors need ``TRITON_INTERPRET=1``, for tests); ``fused=False`` never uses them. CPU runs never use
 them unless asked.
 """
@@ -99,6 +100,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def auto_enabled() -> bool:
+    """False when ``CLIPKIT_FUSED_KERNELS=0``: ``fused=None`` then keeps the generic engine on CUDA too
+    (a switch for users, should the kernels misbehave on some GPU or Triton version)."""
+    return os.environ.get("CLIPKIT_FUSED_KERNELS", "1") not in ("0", "false", "no")
+
+
 def _name(plugin) -> str:
     return plugin.__name__ if isinstance(plugin, type) else type(plugin).__name__
 
@@ -138,8 +145,8 @@ def fused_sweeps(loss, similarity, features_a: tuple, features_b: tuple, fused: 
         if fused:
             raise ClipkitError(f"fused tiled kernels requested, but {reason}")
         return None
-    if fused is None and features_a[0].device.type != "cuda":
-        return None  # auto never runs the interpreter for a user
+    if fused is None and (features_a[0].device.type != "cuda" or not auto_enabled()):
+        return None  # auto never runs the interpreter for a user, nor runs when switched off
     return FusedSweeps(form, blocks)
 
 
