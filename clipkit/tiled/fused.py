@@ -112,8 +112,6 @@ def _name(plugin) -> str:
 
 def fused_refusal(loss, similarity, features_a: tuple, features_b: tuple) -> str | None:
     """Why this pair cannot use the fused kernels on these tile features, or None when it can."""
-    if not available():
-        return "the triton package is not installed"
     if not optional_member(loss, "fused_reductions"):
         return f"the loss {_name(loss)} does not declare fused_reductions"
     if optional_member(similarity, "fused_form") is None:
@@ -123,6 +121,8 @@ def fused_refusal(loss, similarity, features_a: tuple, features_b: tuple) -> str
             return "its tile features are not one [B, D] floating tensor per side"
     if features_a[0].shape[1] != features_b[0].shape[1]:
         return "its two sides' tile features differ in width"
+    if not available():
+        return "the triton package is not installed"
     device = features_a[0].device
     if device.type != "cuda" and not interpreting():
         return (
