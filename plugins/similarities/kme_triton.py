@@ -20,7 +20,10 @@ One kernel computes the anchor side (a program owns 16 rows: BA anchors × MXP p
 over all candidates, accumulates R = Q @ V in fp32 registers); the candidate side is the same kernel on the
 transposed problem (swap u and v, transpose lse and g), as S is symmetric in the two roles.
 That is 4 GEMMs per backward (a score recompute in each direction), as FlashAttention-2's
-separate dK/dV and dQ passes; it needs no atomics.
+separate dK/dV and dQ passes; it needs no atomics. ``Tiles.backward_dims`` splits d across backward programs
+(each holds a [rows, dims] accumulator and recomputes the scores walking d in steps), which frees
+registers for larger tiles; it is off in the shipped tiles until a GPU sweep (part_kme_tiles.py)
+times it.
 
 Precision: points are read in their dtype (bf16/fp16 go to the tensor cores), dot products and all
 log-sum-exp arithmetic are fp32; for fp32 points tl.dot uses IEEE fp32 unless
