@@ -96,6 +96,22 @@ def test_a_part_that_hangs_is_cut_and_recorded_and_the_next_part_runs(tmp_path):
     assert "| kme | timed out after 1s |" in (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_fused_loss_part_runs_and_writes_its_figures(tmp_path):
+    """The named part fused_loss (issue 37): generic tiled and full paths timed at toy sizes; the fused
+    kernels (no TRITON_INTERPRET here) and Inf-CL (CUDA only) are recorded as skipped, not faked."""
+    run = rehearse(tmp_path, "fused_loss", "summary")
+    assert run.returncode == 0, run.stdout[-3000:]
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert {row["step"]: row["status"] for row in record["steps"]} == {"fused_loss": "ok"}
+    (part,) = record["parts"]
+    names = [fig["name"] for fig in part["figures"]]
+    assert any(name.startswith("fused_loss infonce N=32 d=16 tiled fwd+bwd") for name in names), names
+    assert any("max rel. difference to tiled" in name for name in names), names
+    assert all(fig["met"] is None for fig in part["figures"])
+    assert any(reason.startswith("inf-cl") for reason in part["skipped"]), part["skipped"]
+
+
 def test_the_total_budget_stops_starting_parts(tmp_path):
     run = rehearse(tmp_path, "ceilings", "summary", CLIPKIT_GPU_TOTAL_S="5")
     assert run.returncode == 0, run.stdout[-3000:]

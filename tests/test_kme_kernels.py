@@ -282,6 +282,26 @@ def test_triton_bf16_points_accumulate_in_fp32():
     check_against_naive(triton_logits, a, b, gamma, rtol=1e-5, atol=1e-5, grad_rtol=2**-7, grad_atol=2**-7)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backward_with_d_split_across_programs(dtype, monkeypatch):
+    """Tiles(backward_dims=16) at d = 40: three programs per row block each own 16 output dims (the
+    last one ragged) and recompute the scores walking d in steps; same results as the naive path."""
+    import dataclasses
+
+    from clipkit.plugins.similarities import kme_triton
+
+    split = {size: dataclasses.replace(t, backward_dims=16) for size, t in kme_triton.TILES.items()}
+    monkeypatch.setattr(kme_triton, "TILES", split)
+    a = on_device(random_set(5, 3, 40, seed=16, dtype=dtype, empty_row=True))
+    b = on_device(random_set(4, 2, 40, seed=17, dtype=dtype, weighted=False))
+    gamma = torch.tensor(9.0, device=TRITON_DEVICE, requires_grad=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    check_against_naive(
+        triton_logits, a, b, gamma, rtol=1e-5, atol=1e-5, grad_rtol=tolerance, grad_atol=tolerance
+    )
+
+
 def test_bfloat16_matmul_option_rounds_only_the_points():
     """matmul_dtype="bfloat16": the logits equal fp32 KME on bf16-rounded points (weights kept), and
     the gradient still reaches the fp32 points."""

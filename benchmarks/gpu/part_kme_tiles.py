@@ -8,7 +8,7 @@ shipped ones came from its first run, on an H200):
 - forward ``_forward`` (one GEMM of 2·Na·Nb·Mx·My·d FLOPs, online log-sum-exp): the tile's points
   (rows = columns of a score tile) × warps;
 - backward, one side ``_backward_rows`` (a score recompute and the Q @ V GEMM, 4·Na·Nb·Mx·My·d):
-  rows × columns × warps
+  rows × columns × warps, and with d split across programs (``Tiles.backward_dims``, issue 37)
 
 (``kme_triton.TILES`` for 16-bit points, set here one configuration at a time).
 
@@ -49,6 +49,13 @@ BACKWARD = pick(
         (16, 32, 4),
     ],
     [(16, 64, 8), (32, 32, 4)],
+)
+#: Backward with d split across programs (issue 37): (rows, cols, warps, output dims per program).
+#: A [rows, dims] accumulator instead of [rows, d] frees registers for larger tiles, at one score
+#: recompute per chunk of d.
+BACKWARD_SPLIT = pick(
+    [(64, 64, 8, 128), (128, 64, 8, 128), (64, 128, 8, 128), (128, 64, 8, 256), (64, 64, 4, 64)],
+    [(16, 32, 4, 16)],
 )
 
 
@@ -146,6 +153,22 @@ def main() -> None:
             record(
                 "backward rows",
                 f"rows {rows}, cols {cols}, {warps} warps",
+                lambda: kt._backward_rows(
+                    x["u"], x["logw_u"], x["v"], x["logw_v"], x["gamma"], lse, x["grad"]
+                ),
+                lambda got: max(relative(got[0], r_ref), relative(got[1], dlw_ref)),
+            )
+    for rows, cols, warps, dims in BACKWARD_SPLIT:
+        changes = {
+            "backward_rows": rows,
+            "backward_cols": cols,
+            "backward_warps": warps,
+            "backward_dims": dims,
+        }
+        with SixteenBitTiles(kt, **changes):
+            record(
+                "backward rows",
+                f"rows {rows}, cols {cols}, {warps} warps, d split by {dims}",
                 lambda: kt._backward_rows(
                     x["u"], x["logw_u"], x["v"], x["logw_v"], x["gamma"], lse, x["grad"]
                 ),

@@ -273,13 +273,15 @@ def check_tiled(
     local_rows: tuple[int, int] | None = None,
     pair: tuple[PointSet, PointSet] | None = None,
     tolerance: float = 1e-9,
+    fused: bool | None = None,
 ) -> tuple[LossOutput, LossOutput]:
     """ "Tiled equals full" (``train.tiled``, :mod:`clipkit.tiled.contract`) in float64: the loss, its
     metrics and the gradients of the points, weights and similarity parameters agree within
     ``tolerance`` (relative to the values' size). ``batch`` is odd and ``tile_size`` does not divide it
     by default, so ragged last tiles are exercised. ``local_rows`` = (offset, n): also check the
     ``local_loss`` form (anchors offset .. offset + n − 1 against the whole batch). The plugins are
-    deep-copied per run, so per-sample state is not carried over. Returns (full, tiled) outputs.
+    deep-copied per run, so per-sample state is not carried over. ``fused``: passed to the tiled call
+    (True: the fused Triton kernels, :mod:`clipkit.tiled.fused`). Returns (full, tiled) outputs.
     """
     import copy
 
@@ -298,14 +300,14 @@ def check_tiled(
         ctx = full_context(a.batch_size, optional_member(loss, "requires"), a, b, this_similarity)
         if local_rows is None:
             targets = torch.arange(a.batch_size)
-            out = (tiled_global_loss(this_loss, this_similarity, a, b, ctx, tile_size=tile_size) if tiled
-                   else this_loss(this_similarity(a, b), targets, ctx))  # fmt: skip
+            out = (tiled_global_loss(this_loss, this_similarity, a, b, ctx, tile_size=tile_size, fused=fused)
+                   if tiled else this_loss(this_similarity(a, b), targets, ctx))  # fmt: skip
         else:
             offset, n = local_rows
             local_a, local_b = a.rows(offset, offset + n), b.rows(offset, offset + n)
             if tiled:
                 out = tiled_local_loss(this_loss, this_similarity, local_a, b, a, local_b, offset, ctx,
-                                       tile_size=tile_size)  # fmt: skip
+                                       tile_size=tile_size, fused=fused)  # fmt: skip
             else:
                 logits = Logits(this_similarity(local_a, b).i2t, this_similarity(a, local_b).t2i)
                 out = this_loss(logits, offset + torch.arange(n), ctx)

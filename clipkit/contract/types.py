@@ -319,6 +319,8 @@ class Similarity(Protocol):
             logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
             int | None (optional cap on the tile side): the tiled path (``train.tiled``,
             :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
+        fused_form() -> clipkit.tiled.fused.AffineDot | None — the tiles are scale·a[0]·b[0]ᵀ + bias,
+            so the fused Triton kernels may score them (:mod:`clipkit.tiled.fused`).
     """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
@@ -346,6 +348,8 @@ class Loss(Protocol):
         tiled_loss(logits: TiledLogits, ctx) -> LossOutput — the same loss from row/column
             reductions of tiles (``train.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
             str — why the loss has no tiled form (``train.tiled: true`` then refuses with it).
+        fused_reductions: bool = False — ``tiled_loss`` may run in the fused Triton kernels (its
+            reductions use the named terms of :mod:`clipkit.tiled.terms`; :mod:`clipkit.tiled.fused`).
     """
 
     requires: frozenset[str]
@@ -366,6 +370,8 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "largest_tile": None,  # Similarity (optional cap on train.tile_size)
     "tiled_loss": None,  # Loss: tiled path
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
+    "fused_form": None,  # Similarity: () -> clipkit.tiled.fused.AffineDot | None (fused kernels)
+    "fused_reductions": False,  # Loss: its tiled_loss may run in the fused kernels
     "projection_module_name": None,  # Encoder
     "sharding_blocks": None,  # Encoder: FSDP2's units (clipkit.train.runtime.wrapping)
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a

@@ -12,6 +12,12 @@ with ``score_tile(tile_features(a), tile_features(b))`` equal to ``forward(a, b)
 tileable when it declares ``tiled_loss(logits: TiledLogits, ctx) -> LossOutput`` equal to its
 ``__call__`` on the full logits. Either may instead declare ``tiled_unsupported = "why"``; the
 host then refuses ``train.tiled: true`` with that reason (``auto`` falls back to the full path).
+
+Fused kernels (:mod:`clipkit.tiled.fused`): a similarity whose tiles are an affine dot product
+declares ``fused_form() -> AffineDot | None`` and a loss declares ``fused_reductions = True``; on
+CUDA the pair's sweeps then run in Triton kernels (``fused=None``, the default), the generic engine
+staying the fallback. ``fused=True`` demands them (CPU tensors: under ``TRITON_INTERPRET=1``, for
+tests), ``fused=False`` turns them off.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 
 from clipkit.contract.types import LossContext, LossOutput, PointSet, optional_member
+from clipkit.tiled.fused import fused_sweeps
 from clipkit.tiled.logits import TiledLogits, global_logits, local_logits
 
 
@@ -83,17 +90,21 @@ def tiled_global_loss(
     *,
     tile_size: int,
     generator_for=None,
+    fused: bool | None = None,
 ) -> LossOutput:
     """The loss of every anchor against every candidate of the batch (a, b [N, M, d]), tiled.
 
     generator_for: () -> a fresh generator, identically seeded on each call (random-feature
     similarities draw the same features for both sides).
+    fused: None = the fused kernels on CUDA when both plugins declare them; True = demand them;
+    False = the generic engine only (:mod:`clipkit.tiled.fused`).
     """
     score, pairs, parameters = _scorers(similarity)
     features_a, features_b = _features(similarity, a, generator_for), _features(similarity, b, generator_for)
     targets = torch.arange(a.batch_size, device=a.points.device)
     tile_size = _tile_size(similarity, features_a, features_b, tile_size)
-    logits = global_logits(score, features_a, features_b, targets, parameters, tile_size, pairs)
+    runner = fused_sweeps(loss, similarity, features_a, features_b, fused)
+    logits = global_logits(score, features_a, features_b, targets, parameters, tile_size, pairs, fused=runner)
     return loss.tiled_loss(logits, ctx)
 
 
@@ -109,14 +120,16 @@ def tiled_local_loss(
     *,
     tile_size: int,
     generator_for=None,
+    fused: bool | None = None,
 ) -> LossOutput:
     """This process's anchors (local_a, local_b [n, M, d]) against the gathered batch (a, b [N, M, d]);
-    their positives are candidates offset .. offset + n − 1."""
+    their positives are candidates offset .. offset + n − 1. fused: as :func:`tiled_global_loss`."""
     score, pairs, parameters = _scorers(similarity)
     sides = [_features(similarity, x, generator_for) for x in (local_a, b, a, local_b)]
     targets = offset + torch.arange(local_a.batch_size, device=local_a.points.device)
     tile_size = _tile_size(similarity, sides[0], sides[1], tile_size)
-    logits = local_logits(score, *sides, targets, parameters, tile_size, pairs)
+    runner = fused_sweeps(loss, similarity, sides[0], sides[1], fused)
+    logits = local_logits(score, *sides, targets, parameters, tile_size, pairs, fused=runner)
     return loss.tiled_loss(logits, ctx)
 
 

@@ -39,15 +39,18 @@ class TiledLogits:
         i2t side's candidates are the t2i side's anchors and one sweep serves both.
     parameters: the similarity's parameters that need a gradient (``score`` reads them).
     score_pairs: optional (A features, B features) -> [n] logits of row-aligned pairs.
+    fused: optional :class:`clipkit.tiled.fused.FusedSweeps`: the sweeps it accepts run in the fused
+        kernels, the others in the generic engine.
     """
 
     def __init__(self, score: Scorer, sides: dict[str, Side], parameters, tile_size: int, *, shared: bool,
-                 score_pairs=None) -> None:  # fmt: skip
+                 score_pairs=None, fused=None) -> None:  # fmt: skip
         if tile_size < 1:
             raise ValueError(f"tile_size must be >= 1, got {tile_size}")
         self.score, self.sides, self.tile_size, self.shared = score, sides, int(tile_size), shared
         self.parameters = tuple(p for p in parameters if p.requires_grad)
         self._score_pairs = score_pairs
+        self.fused = fused
 
     def num_rows(self, direction: str) -> int:
         """The number of anchors of ``direction`` (the mean's denominator of a per-row loss)."""
@@ -65,6 +68,8 @@ class TiledLogits:
         side = self.sides[_checked(direction)]
         partners = tuple(f[side.targets] for f in side.candidates)
         a, b = (side.anchors, partners) if side.anchors_a else (partners, side.anchors)
+        if self.fused is not None:  # in the kernels' precision (fp32 for 16-bit rows), as their lse
+            return self.fused.score_pairs(a, b)
         if self._score_pairs is not None:
             return self._score_pairs(a, b)
         chunks = blocks(len(a[0]), self.tile_size)
@@ -75,14 +80,14 @@ class TiledLogits:
         for reduction in reductions:
             _checked(reduction.direction)
         if self.shared:
-            return run_sweep(self._sweep(reductions, self.sides["i2t"]))
+            return self._run(self._sweep(reductions, self.sides["i2t"]))
         results: dict[int, Tensor] = {}
         for direction in DIRECTIONS:
             chosen = [(i, r) for i, r in enumerate(reductions) if r.direction == direction]
             if not chosen:
                 continue
             side = self.sides[direction]
-            values = run_sweep(self._sweep(tuple(r for _, r in chosen), side))
+            values = self._run(self._sweep(tuple(r for _, r in chosen), side))
             results.update({i: v for (i, _), v in zip(chosen, values, strict=True)})
         return [results[i] for i in range(len(reductions))]
 
@@ -96,7 +101,14 @@ class TiledLogits:
         side = self.sides["i2t"]
         both = tuple(torch.cat([a, b]) for a, b in zip(side.anchors, side.candidates, strict=True))
         rows = torch.arange(both[0].shape[0], device=side.targets.device)
-        return global_logits(self.score, both, both, rows, self.parameters, self.tile_size, self._score_pairs)
+        return global_logits(self.score, both, both, rows, self.parameters, self.tile_size, self._score_pairs,
+                             fused=self.fused)  # fmt: skip
+
+    def _run(self, sweep: Sweep) -> list[Tensor]:
+        """The sweep in the fused kernels when they accept it, else in the generic engine."""
+        if self.fused is not None and self.fused.accepts(sweep):
+            return self.fused.run(sweep)
+        return run_sweep(sweep)
 
     def _sweep(self, reductions, side: Side) -> Sweep:
         """The sweep over ``side``'s matrix, oriented as score(A, B)."""
@@ -122,17 +134,18 @@ def _checked(direction: str) -> str:
 
 
 def global_logits(score: Scorer, features_a: Features, features_b: Features, targets: Tensor, parameters,
-                  tile_size: int, score_pairs=None) -> TiledLogits:  # fmt: skip
+                  tile_size: int, score_pairs=None, fused=None) -> TiledLogits:  # fmt: skip
     """Every anchor against every candidate of one batch (targets [N]: the diagonal, arange(N))."""
     sides = {
         "i2t": Side(features_a, features_b, targets, anchors_a=True),
         "t2i": Side(features_b, features_a, targets, anchors_a=False),
     }
-    return TiledLogits(score, sides, parameters, tile_size, shared=True, score_pairs=score_pairs)
+    return TiledLogits(score, sides, parameters, tile_size, shared=True, score_pairs=score_pairs, fused=fused)
 
 
 def local_logits(score: Scorer, local_a: Features, all_b: Features, all_a: Features, local_b: Features,
-                 targets: Tensor, parameters, tile_size: int, score_pairs=None) -> TiledLogits:  # fmt: skip
+                 targets: Tensor, parameters, tile_size: int, score_pairs=None,
+                 fused=None) -> TiledLogits:  # fmt: skip
     """This process's anchors against the gathered candidates (``train.distributed.local_loss``).
 
     targets [n]: the local anchors' positives among the N gathered candidates (rank·n + arange(n)).
@@ -141,4 +154,6 @@ def local_logits(score: Scorer, local_a: Features, all_b: Features, all_a: Featu
         "i2t": Side(local_a, all_b, targets, anchors_a=True),
         "t2i": Side(local_b, all_a, targets, anchors_a=False),
     }
-    return TiledLogits(score, sides, parameters, tile_size, shared=False, score_pairs=score_pairs)
+    return TiledLogits(
+        score, sides, parameters, tile_size, shared=False, score_pairs=score_pairs, fused=fused
+    )

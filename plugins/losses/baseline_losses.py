@@ -32,7 +32,7 @@ from torch import Tensor
 
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.plugins.losses.infonce import InfoNCE
-from clipkit.tiled import ArgMax, LogSumExp, RowSum, Tile, TiledLogits
+from clipkit.tiled import ArgMax, LogSumExp, RowSum, SigmoidPairTerms, TiledLogits
 
 
 def _positive_mask(scores: Tensor, targets: Tensor) -> Tensor:
@@ -93,6 +93,7 @@ class SigLIPLoss:
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
+    fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         scores = logits.i2t
@@ -113,7 +114,7 @@ class SigLIPLoss:
 
     def tiled_loss(self, logits: TiledLogits, ctx: LossContext) -> LossOutput:
         """The same loss from tile sums of the pair terms (``train.tiled``; clipkit.tiled)."""
-        row_terms, best = logits.reduce(RowSum("i2t", _siglip_pair_terms), ArgMax("i2t"))
+        row_terms, best = logits.reduce(RowSum("i2t", SigmoidPairTerms()), ArgMax("i2t"))
         rows = logits.num_rows("i2t")
         positive_terms = -F.logsigmoid(logits.positives("i2t").detach())
         total = row_terms.sum()
@@ -125,11 +126,6 @@ class SigLIPLoss:
                 "acc_i2t": (best == logits.targets("i2t")).float().mean(),
             },
         )
-
-
-def _siglip_pair_terms(scores: Tensor, tile: Tile) -> Tensor:
-    """[tr, tc] −log σ(z·L), z = +1 on the positives and −1 elsewhere."""
-    return -F.logsigmoid(torch.where(tile.positive, scores, -scores))
 
 
 class CyCLIPLoss:
@@ -216,6 +212,7 @@ class DecoupledContrastiveLoss:
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
+    fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
     def __init__(self, weighting_sigma: float | None = None) -> None:
         if weighting_sigma is not None and not weighting_sigma > 0:
@@ -284,6 +281,7 @@ class DebiasedContrastiveLoss:
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
+    fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
     def __init__(self, tau_plus: float = 0.1, temperature: float = 0.5) -> None:
         if not 0.0 <= tau_plus < 1.0:

@@ -80,6 +80,7 @@ class InfoLOOB:
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
+    fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         image_to_text, text_to_image = _directions(logits, targets)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from clipkit.contract.types import Logits, LossContext, LossOutput
-from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
+from clipkit.tiled import ArgMax, LogSumExp, RowSum, ScaledLogits, TiledLogits
 
 
 class InfoNCE:
@@ -25,6 +25,8 @@ class InfoNCE:
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
+    # Its reductions (lse, argmax, label smoothing's ScaledLogits) run in the fused kernels on CUDA.
+    fused_reductions = True
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         if not 0.0 <= label_smoothing < 1.0:
@@ -50,7 +52,7 @@ class InfoNCE:
         CE_r = lse_j L_rj − (1 − ε)·L_r,t_r − ε·mean_j L_rj (ε = label_smoothing)."""
         reductions = [LogSumExp("i2t"), LogSumExp("t2i"), ArgMax("i2t")]
         if self.label_smoothing:
-            reductions += [RowSum(d, _scaled_by(1 / logits.num_candidates(d))) for d in ("i2t", "t2i")]
+            reductions += [RowSum(d, ScaledLogits(1 / logits.num_candidates(d))) for d in ("i2t", "t2i")]
         values = logits.reduce(*reductions)
         directions = []
         for index, direction in enumerate(("i2t", "t2i")):
@@ -64,8 +66,3 @@ class InfoNCE:
             (image_to_text + text_to_image) / 2,
             {"loss_i2t": image_to_text.detach(), "loss_t2i": text_to_image.detach(), "acc_i2t": accuracy},
         )
-
-
-def _scaled_by(factor: float):
-    """A RowSum term: factor·L (the mean logit of a row when factor = 1/candidates)."""
-    return lambda logits, tile: logits * factor

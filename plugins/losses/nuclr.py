@@ -273,6 +273,8 @@ class CompositionalContrastive(nn.Module):
 
     requires: frozenset[str] = frozenset({"index", "epoch", "step"})
     stateful = True  # every call updates the per-sample state: no accumulation, no skipped steps
+    # Its two sweeps use Separable offsets and SoftmaxWeightedLogits: fused kernels on CUDA.
+    fused_reductions = True
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from clipkit.tiled import LogSumExp, Max, RowSum, TiledLogits
+from clipkit.tiled import LogSumExp, Max, RowSum, Separable, SoftmaxWeightedLogits, TiledLogits
 
 OTHER = {"i2t": "t2i", "t2i": "i2t"}
 
@@ -28,7 +28,7 @@ def first_sweep(module, logits: TiledLogits, zetas: dict) -> dict:
     """direction -> (negatives' lse of L − ζ/τ [B], row max [B]) (detached)."""
     reductions = []
     for direction, zeta in zetas.items():
-        offset = None if zeta is None else _candidate_offset(-zeta / module.tau)
+        offset = None if zeta is None else Separable(col=-zeta / module.tau)
         reductions += [LogSumExp(direction, exclude_positive=True, offset=offset), Max(direction)]
     with torch.no_grad():
         values = logits.reduce(*reductions)
@@ -56,33 +56,16 @@ def second_sweep(module, logits: TiledLogits, positive: Tensor, zetas: dict, row
     }
 
 
-def _candidate_offset(per_candidate: Tensor):
-    return lambda tile: per_candidate[tile.cols].unsqueeze(0)
+def _surrogate_terms(tau: float, positive: Tensor, zeta, log_den: Tensor, size: int) -> SoftmaxWeightedLogits:
+    """RowSum term τ·coef_ij·L_ij, coef_ij = exp(L_ij − P_i − log_den_i − ζ_j/τ)/(B(B−1)) detached and 0
+    on the positive."""
+    weight = Separable(row=-positive.detach() - log_den, col=None if zeta is None else -zeta / tau)
+    return SoftmaxWeightedLogits(tau / (size * (size - 1)), weight, exclude_positive=True)
 
 
-def _surrogate_terms(tau: float, positive: Tensor, zeta, log_den: Tensor, size: int):
-    """RowSum term τ·coef_ij·L_ij, coef detached and 0 on the positive."""
-    positive = positive.detach()
-
-    def terms(values: Tensor, tile) -> Tensor:
-        exponent = values.detach() - positive[tile.rows].unsqueeze(1) - log_den[tile.rows].unsqueeze(1)
-        if zeta is not None:
-            exponent = exponent - (zeta[tile.cols] / tau).unsqueeze(0)
-        coef = exponent.exp().masked_fill(tile.positive, 0.0) / (size * (size - 1))
-        return tau * coef * values
-
-    return terms
-
-
-def _zeta_column_offset(tau: float, positive: Tensor, zeta: Tensor, log_den_zeta: Tensor):
+def _zeta_column_offset(tau: float, positive: Tensor, zeta: Tensor, log_den_zeta: Tensor) -> Separable:
     """Offset of the transposed tile (rows = candidates j, cols = anchors i): −P_i − ζ_j/τ − log_den_ζ,i."""
-    positive = positive.detach()
-
-    def offset(tile) -> Tensor:
-        anchors = (-positive[tile.cols] - log_den_zeta[tile.cols]).unsqueeze(0)
-        return anchors - (zeta[tile.rows] / tau).unsqueeze(1)
-
-    return offset
+    return Separable(row=-zeta / tau, col=-positive.detach() - log_den_zeta)
 
 
 def row_coefficient_sums(log_g: Tensor, log_den: Tensor, size: int) -> Tensor:

@@ -20,7 +20,10 @@ One kernel computes the anchor side (a program owns 16 rows: BA anchors × MXP p
 over all candidates, accumulates R = Q @ V in fp32 registers); the candidate side is the same kernel on the
 transposed problem (swap u and v, transpose lse and g), as S is symmetric in the two roles.
 That is 4 GEMMs per backward (a score recompute in each direction), as FlashAttention-2's
-separate dK/dV and dQ passes; it needs no atomics.
+separate dK/dV and dQ passes; it needs no atomics. ``Tiles.backward_dims`` splits d across backward programs
+(each holds a [rows, dims] accumulator and recomputes the scores walking d in steps), which frees
+registers for larger tiles; it is off in the shipped tiles until a GPU sweep (part_kme_tiles.py)
+times it.
 
 Precision: points are read in their dtype (bf16/fp16 go to the tensor cores), dot products and all
 log-sum-exp arithmetic are fp32; for fp32 points tl.dot uses IEEE fp32 unless
@@ -63,13 +66,17 @@ class Tiles:
     forward_points: rows = columns of a forward score tile (anchor × candidate points);
     backward_rows / backward_cols: anchor-point rows and candidate-point columns of a backward
     tile (a backward program also holds a [rows, d] fp32 accumulator and whole [cols, d] point
-    rows, so its tiles are smaller)."""
+    rows, so its tiles are smaller; ``backward_dims`` splits d across backward programs)."""
 
     forward_points: int
     forward_warps: int
     backward_rows: int
     backward_cols: int
     backward_warps: int
+    #: Output dims per backward program (a power of two ≥ 16), or None for the whole d in one
+    #: program (the measured default). A split frees registers for larger row × column tiles at the
+    #: price of one score recompute per chunk of d; untimed on a GPU (issue 37).
+    backward_dims: int | None = None
 
 
 #: By the points' bytes per element. 16-bit points: measured on an H200 (triton 3.6, N = 256,
@@ -229,11 +236,18 @@ if triton is not None:
         BB: tl.constexpr,
         MYP: tl.constexpr,
         BD: tl.constexpr,
+        BK: tl.constexpr,
+        SPLIT: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDEN: tl.constexpr,
     ):
         """For BA anchors × one chunk of MXP point slots: R[a, i] = Σ_bj Q v_bj, DLW[a, i] = Σ_bj Q,
-        Q = G[a, b]·exp(S_{ab,ij} − LSE[a, b]) (LSE already 0 where it was −inf)."""
+        Q = G[a, b]·exp(S_{ab,ij} − LSE[a, b]) (LSE already 0 where it was −inf).
+
+        SPLIT (d split across programs): this program owns the BD output dims of program_id(2); the
+        scores are recomputed walking the whole d BK at a time, so its registers hold a [rows, BD]
+        accumulator however wide d is (DLW is stored by the programs of chunk 0). Otherwise BD ≥ d:
+        u is held whole and each score tile is one GEMM."""
         BM: tl.constexpr = BA * MXP
         BN: tl.constexpr = BB * MYP
         gamma = tl.load(GAMMA)
@@ -242,11 +256,12 @@ if triton is not None:
         rows = tl.program_id(1) * MXP + tl.arange(0, BM) % MXP
         row_ok = (row_set < Na) & (rows < Mx)
         row_off = row_set * Mx + rows
-        dims = tl.arange(0, BD)
+        dims = tl.program_id(2) * BD + tl.arange(0, BD)
         dim_ok = dims < D
-        u = tl.load(
-            U + row_off[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
-        )
+        if not SPLIT:
+            u = tl.load(
+                U + row_off[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+            )
         lwu = tl.load(LWU + row_off, mask=row_ok, other=float("-inf"))
         col_group = tl.arange(0, BN) // MYP
         col_slot = tl.arange(0, BN) % MYP
@@ -269,14 +284,20 @@ if triton is not None:
                     mask=col_ok[:, None] & dim_ok[None, :],
                     other=0.0,
                 )
-                dots = _dot(u, tl.trans(v), tl.zeros([BM, BN], dtype=tl.float32), PRECISION, WIDEN)
+                if SPLIT:
+                    dots = _points_dot(
+                        U, V, row_off, row_ok, col_off, col_ok, D, BM, BN, BK, PRECISION, WIDEN
+                    )
+                else:
+                    dots = _dot(u, tl.trans(v), tl.zeros([BM, BN], dtype=tl.float32), PRECISION, WIDEN)
                 scores = tl.reshape(gamma * dots + lwu[:, None] + lwv[None, :], [BA, MXP, BB, MYP])
                 q = tl.exp(scores - lse[:, None, :, None]) * g[:, None, :, None]
                 q = tl.reshape(q, [BM, BN])
                 acc_lw += tl.sum(q, axis=1)
                 acc = _dot(q.to(v.dtype), v, acc, PRECISION, WIDEN)
         tl.store(R + row_off[:, None] * D + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(DLW + row_off, acc_lw, mask=row_ok)
+        if tl.program_id(2) == 0:
+            tl.store(DLW + row_off, acc_lw, mask=row_ok)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -328,7 +349,10 @@ def _backward_rows(
     tiles = tiles_for(u.dtype)
     ba, mxp = _slots(mx, tiles.backward_rows)
     bb, myp = _slots(my, tiles.backward_cols)
-    grid = (triton.cdiv(num_a, ba), triton.cdiv(mx, mxp))
+    whole = max(16, _next_power_of_2(d))
+    split = tiles.backward_dims is not None and tiles.backward_dims < whole
+    block_d = tiles.backward_dims if split else whole
+    grid = (triton.cdiv(num_a, ba), triton.cdiv(mx, mxp), triton.cdiv(d, block_d))
     _backward_rows_kernel[grid](
         u,
         logw_u,
@@ -348,7 +372,9 @@ def _backward_rows(
         MXP=mxp,
         BB=bb,
         MYP=myp,
-        BD=max(16, _next_power_of_2(d)),
+        BD=block_d,
+        BK=min(64, max(16, _next_power_of_2(d))),
+        SPLIT=split,
         PRECISION=_precision(u.dtype),
         WIDEN=interpreting(),
         num_warps=tiles.backward_warps,

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from clipkit.contract.types import PointSet
+from clipkit.tiled.fused import AffineDot
 
 
 class ScaledEmbeddingTiles:
@@ -24,6 +25,10 @@ class ScaledEmbeddingTiles:
         logits = self.scale() * a[0] @ b[0].t()
         bias = getattr(self, "bias", None)
         return logits if bias is None else logits + bias
+
+    def fused_form(self) -> AffineDot:
+        """The fused kernels' view of ``score_tile``: scale·a[0] @ b[0].T + bias (clipkit.tiled.fused)."""
+        return AffineDot(self.scale(), getattr(self, "bias", None))
 
     def score_pairs(self, a: tuple[Tensor], b: tuple[Tensor]) -> Tensor:
         """([n, D],), ([n, D],) -> [n] logits of the row-aligned pairs (the positives)."""
