@@ -201,6 +201,14 @@ def train_command(
     holdout: Annotated[
         float, typer.Option(help="Fraction of --data held out of training for evaluation (by key hash)")
     ] = 0.05,
+    holdout_by: Annotated[
+        str,
+        typer.Option(
+            help="Column of --data whose groups are held out whole (all rows of a group on one side); "
+            "without it rows are split one by one and the report says how many held-out captions and "
+            "labels also occur in training"
+        ),
+    ] = None,
     label: Annotated[
         str, typer.Option(help="Column of --data with a class: adds zero-shot over its values")
     ] = None,
@@ -233,14 +241,15 @@ def train_command(
     from clipkit.train.runtime import launched_as_main
 
     own_data = None
-    if data is not None or eval_data or label is not None:
+    if data is not None or eval_data or label is not None or holdout_by is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
         from clipkit.own_data import OwnData
 
         own_data = OwnData(
-            data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs
-        )
+            data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs,
+            holdout_by=holdout_by,
+        )  # fmt: skip
         if epochs is not None and not own_data.is_own:
             raise ClipkitError("--epochs counts passes over your own --data; synthetic data: set train.steps")
         notes = own_data.notes()
@@ -646,6 +655,7 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from clipkit.eval.evaluate import result_warnings
     from clipkit.eval.report import metric_rows, task_label
 
     table = Table("task", "metric", "value")  # the task label names its data; the JSON has the full URI
@@ -659,8 +669,8 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once
-        if result.get("warning"):
-            table.add_row(task, "[yellow]warning[/yellow]", escape(result["warning"]))
+        for warning in result_warnings(result):
+            table.add_row(task, "[yellow]warning[/yellow]", escape(warning))
     for key, value in (summary or {}).items():
         table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}")
     console().print(table)

@@ -241,7 +241,7 @@ def test_summary_averages_over_datasets():
 
 def test_markdown_table_folds_std_and_chance():
     text = markdown_table({**_report(), "summary": summarize(_report()["results"])})
-    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5.0× uniform chance) |" in text
+    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5× uniform chance) |" in text
     assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× uniform chance) |" in text
     assert "| zero_shot_top1_mean | 0.4000 |" in text
     assert "top1_std" not in text and "chance |" not in text

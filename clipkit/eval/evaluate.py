@@ -142,9 +142,7 @@ def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry
             result = {"name": config["name"], **task(model, registry)}
             if isinstance(config, dict) and config.get(ABOUT):
                 result[ABOUT] = config[ABOUT]  # a suite's title and main metric for the task
-            warning = small_set_warning(result)
-            if warning:
-                result["warning"] = warning
+            add_warnings(result)
         except Exception as error:  # noqa: BLE001 — reported in the suite's results, never lost
             message = str(error) if isinstance(error, ClipkitError) else f"{type(error).__name__}: {error}"
             described = {k: config[k] for k in ("data", "label", "dataset") if config.get(k) is not None}
@@ -170,6 +168,20 @@ def small_set_warning(result: dict) -> str | None:
         f"only {n} sample(s): each moves a score by {1 / n:.0%}, too few to compare runs "
         f"(hold out more with --holdout, or add --eval-data)"
     )
+
+
+def add_warnings(result: dict) -> None:
+    """Gather a result's warnings (its task's ``warnings`` and :func:`small_set_warning`) in
+    ``warnings``, one per line in the report, and ``warning``: all of them in one string."""
+    warnings = [small_set_warning(result)] + list(result.pop("warnings", None) or [])
+    warnings = [text for text in warnings if text]
+    if warnings:
+        result["warnings"], result["warning"] = warnings, "; ".join(warnings)
+
+
+def result_warnings(result: dict) -> list[str]:
+    """A result's warnings, one per item (reports written before ``warnings`` have ``warning``)."""
+    return list(result.get("warnings") or ([result["warning"]] if result.get("warning") else []))
 
 
 def failed_tasks(results: Iterable[dict]) -> list[dict]:
