@@ -53,7 +53,11 @@ def resolve_target(target: str | Path) -> Path:
 def resolve_targets(targets: list[str], output: Path | None) -> list[Path]:
     """The exports to evaluate, each once and in order; ``--output`` names one report, so it takes
     one target."""
-    exports = list(dict.fromkeys(resolve_target(target) for target in targets))
+    exports = {}
+    for target in targets:
+        export = resolve_target(target)
+        exports.setdefault(export.resolve(), export)  # a run named twice (two spellings) runs once
+    exports = list(exports.values())
     if output is not None and len(exports) > 1:
         raise ClipkitError(
             f"--output names one report but {len(exports)} exports were given; drop --output (each "
