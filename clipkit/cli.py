@@ -220,8 +220,8 @@ def train_command(
     epochs: Annotated[
         float,
         typer.Option(
-            help="With --data: train this many epochs over your data (tiny variants: 10 by default, "
-            "at most 2000 steps); train.steps=N still wins"
+            help="With --data: train this many epochs over your data (tiny variants by default: a budget "
+            "of 96 000 pairs seen, at most 200 epochs); train.steps=N still wins"
         ),
     ] = None,
     report_to: Annotated[

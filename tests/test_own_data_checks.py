@@ -286,3 +286,25 @@ def test_shard_says_how_many_images_it_flattened_none_included(tmp_path):
     out = runner.invoke(make_app(), ["shard", str(tmp_path / "u.jsonl"), str(tmp_path / "s2"), "-o",
                                      "background=white"])  # fmt: skip
     assert "flattened 0 of 2 image(s)" in out.output  # said even when there was nothing to flatten
+
+
+def test_eval_of_an_export_checks_against_its_runs_training_data(drawings, registry):
+    """`clipkit eval RUN/export --task zero_shot --data more.jsonl`: the run's recorded training
+    data is used for the checks when it is still readable, and left out when it is not."""
+    from clipkit.eval.evaluate import with_training_data
+
+    trained = str(drawings / "train.jsonl")
+    recipe = {
+        "eval": [
+            {"name": "retrieval", "data": "x"},
+            {"name": "retrieval", "data": "y", "training_data": trained},
+        ]
+    }
+    tasks = [{"name": "zero_shot", "data": "more.jsonl"}, {"name": "linear_probe", "train": "a", "test": "b"},
+             {"name": "retrieval", "data": "z", "training_data": "mine.jsonl"}]  # fmt: skip
+    got = with_training_data(tasks, recipe, registry)
+    assert got[0]["training_data"] == trained and "training_data" not in got[1]
+    assert got[2]["training_data"] == "mine.jsonl"  # a task's own is kept
+    moved = {"eval": [{"name": "retrieval", "data": "y", "training_data": str(drawings / "gone.jsonl")}]}
+    assert with_training_data(tasks, moved, registry) == tasks
+    assert with_training_data(tasks, {}, registry) == tasks

@@ -223,6 +223,31 @@ def check_tasks(tasks: list[dict], registry: Registry) -> None:
         raise ClipkitError(f"{len(errors)} problem(s) with the eval task(s), nothing evaluated: {problems}")
 
 
+#: Eval tasks that check their data against the training data (:mod:`clipkit.eval.data_checks`).
+CHECKED_TASKS = ("zero_shot", "retrieval")
+
+
+def with_training_data(tasks: list[dict], recipe: dict, registry: Registry) -> list[dict]:
+    """``tasks`` given to ``clipkit eval`` with the ``training_data`` of the export's own run (a
+    ``clipkit train --data`` run records it in its eval tasks) where they name none, so a zero-shot
+    on more data still says which class names training never showed; unchanged when the run's
+    training data is not readable here."""
+    recorded = [t.get("training_data") for t in recipe.get("eval") or [] if isinstance(t, dict)]
+    known = next((uri for uri in recorded if uri), None)
+    if not known:
+        return tasks
+    try:
+        open_source(known, pm=registry.pm)
+    except ClipkitError:
+        return tasks  # the shards moved or another machine: evaluate without the checks
+    return [
+        {**t, "training_data": known}
+        if isinstance(t, dict) and t.get("name") in CHECKED_TASKS and "training_data" not in t
+        else t
+        for t in tasks
+    ]
+
+
 def evaluate_export(
     export_dir: Path,
     tasks: list[dict] | None,
@@ -248,6 +273,8 @@ def evaluate_export(
     if tasks is not None:
         check_tasks(tasks, registry)
     model, metadata = load_model(export_dir, registry, options=options)
+    if tasks is not None:
+        tasks = with_training_data(tasks, metadata.get("recipe") or {}, registry)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:
         raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")
