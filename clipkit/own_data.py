@@ -191,7 +191,7 @@ def own_data_overrides(
             raise ClipkitError("--holdout-by: streamed --data has no held-out split; give --eval-data")
         shards, source = data, ""
         notes.insert(0, f"data: streaming the shards {redact(data)} (no local copy)")
-        if not extra:
+        if not eval_data:
             notes.insert(1, "data: streamed data has no held-out split; evaluate it with --eval-data")
     elif is_shard_directory(data):
         shards, source = data, ""

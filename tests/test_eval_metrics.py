@@ -116,7 +116,14 @@ def test_majority_tie_names_every_tied_class():
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(1 / 819, "0.001221"), (0.0625, "0.0625"), (0.2170, "0.2170"), (1e-7, "1e-07"), (0.0, "0.0000")],
+    [
+        (1 / 819, "0.001221"),
+        (0.0625, "0.0625"),
+        (0.02, "0.0200"),
+        (0.2170, "0.2170"),
+        (1e-7, "1e-07"),
+        (0.0, "0.0000"),
+    ],  # fmt: skip
 )
 def test_small_baselines_keep_four_significant_digits(value, text):
     assert fixed(value) == text

@@ -159,8 +159,8 @@ def test_retrieval_report_shows_the_chance_of_each_recall():
     result = {"name": "retrieval", "data": "d", "i2t_R@1": 0.25, "mean_recall": 0.3,
               "chance_recall": {"i2t_R@1": 0.02, "mean_recall": 0.05}}  # fmt: skip
     text = markdown_table({"export": "e", "results": [result]})
-    assert "| retrieval d | i2t_R@1 | 0.2500 (chance 0.0200) |" in text
-    assert "| mean_recall | 0.3000 (chance 0.0500) |" in text
+    assert "| retrieval d | i2t_R@1 | 0.2500 (12.5× chance 0.0200) |" in text  # 0.25 / 0.02
+    assert "| mean_recall | 0.3000 (6× chance 0.0500) |" in text
 
 
 def test_mean_and_std_over_seeds():

@@ -131,10 +131,10 @@ def ratio_text(ratio: float) -> str:
 
 
 def fixed(value: float) -> str:
-    """A score or baseline: 4 decimals, or 4 significant digits below 0.1 (1/819 is 0.001221, not
+    """A score or baseline: 4 decimals, or 4 significant digits below 0.01 (1/819 is 0.001221, not
     0.0012, so a ratio to it can be recomputed); 3 significant digits outside [1e-6, 1e5)."""
     if value != 0 and not 1e-6 <= abs(value) < 1e5:
         return f"{value:.3g}"
-    if value != 0 and abs(value) < 0.1:
+    if value != 0 and abs(value) < 0.01:
         return f"{value:.4g}"
     return f"{value:.4f}"

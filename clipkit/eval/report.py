@@ -90,7 +90,7 @@ def task_label(result: dict) -> str:
 
 
 def number(value: float) -> str:
-    """4 decimals, 4 significant digits below 0.1 (a chance of 1/819 is 0.001221), 3 for values
+    """4 decimals, 4 significant digits below 0.01 (a chance of 1/819 is 0.001221), 3 for values
     too small or large for that (λ = 1e-7): :func:`clipkit.eval.metrics.fixed`."""
     from clipkit.eval.metrics import fixed
 
