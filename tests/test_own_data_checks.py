@@ -130,7 +130,7 @@ def test_row_split_overlap_is_measured_and_warned():
     assert overlap["captions"] == 0.5  # case and spaces do not hide a repeat
     assert overlap["label"] == 0.75 and overlap["training_samples"] == 3
     (warning,) = warnings
-    assert "50.0% of their captions and 75.0% of their 'category' values of the held-out samples" in warning
+    assert "50.0% of the captions and 75.0% of the 'category' values of the held-out samples" in warning
     assert "--holdout-by COLUMN" in warning
 
 
@@ -141,7 +141,7 @@ def test_grouped_split_warns_about_repeated_captions_only():
     overlap, warnings = overlap_checks("holdout:/s?fraction=0.05&by=category", repeat, TRAINED, "category")
     assert overlap == {"captions": 1.0, "training_samples": 3, "label": 0.0}
     (warning,) = warnings
-    assert "100.0% of their captions" in warning and "'category'" not in warning
+    assert "100.0% of the captions" in warning and "'category'" not in warning
     other = overlap_checks("/data/more.jsonl", [sample("1", "a pear", category="food")], TRAINED, "category")
     assert other == ({"captions": 0.0, "training_samples": 3, "label": 1.0}, [])  # seen labels: zero-shot
 

@@ -103,9 +103,9 @@ def overlap_checks(data: str, samples: Sequence, training: TrainingText, label: 
         overlap["label"] = sum(str(s.meta.get(label)) in seen for s in samples) / n if n else 0.0
     grouped = is_grouped_holdout(data)
     warnings = []
-    shared = [f"{percent(overlap['captions'])} of their captions"] if repeated else []
+    shared = [f"{percent(overlap['captions'])} of the captions"] if repeated else []
     if grouped is False and overlap.get("label"):
-        shared.append(f"{percent(overlap['label'])} of their {label!r} values")
+        shared.append(f"{percent(overlap['label'])} of the {label!r} values")
     if shared:
         where = "the held-out samples" if grouped is not None else "the evaluated samples"
         remedy = (
