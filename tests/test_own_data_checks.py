@@ -308,3 +308,26 @@ def test_eval_of_an_export_checks_against_its_runs_training_data(drawings, regis
     moved = {"eval": [{"name": "retrieval", "data": "y", "training_data": str(drawings / "gone.jsonl")}]}
     assert with_training_data(tasks, moved, registry) == tasks
     assert with_training_data(tasks, {}, registry) == tasks
+
+
+def test_train_holdout_by_counts_and_evaluates_whole_groups(in_tmp, registry):
+    """`clipkit train clip@tiny --data TABLE --holdout-by category`: the recipe carries the column,
+    the run is sized on the rows of the groups left in training, and its eval tasks read the
+    grouped split."""
+    from test_own_data_flow import write_drawings
+
+    from clipkit import api
+    from clipkit.own_data import OwnData
+    from clipkit.run_length import plan
+
+    table = in_tmp / write_drawings(in_tmp, n=40)  # categories 'red' and 'blue', 20 rows each
+    rule = Holdout(0.5, by="category")
+    held = {name for name in ("red", "blue") if rule.holds("any key", {"category": name})}
+    assert len(held) == 1, "the fixture needs one group on each side at this fraction"
+    own = OwnData(str(table), holdout=0.5, holdout_by="category", label="category")
+    recipe = api.resolve("clip@tiny", [], registry, own_data=own)
+    assert recipe["data"]["holdout_by"] == "category"
+    assert all(
+        "by=category" in task["data"] and "by=category" in task["training_data"] for task in recipe["eval"]
+    )
+    assert plan(recipe, registry, epochs=1, by_default=False).num_samples == 20  # the other group, whole
