@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from clipkit.eval.metrics import (
+    baseline_note,
     class_baselines,
     classification_scores,
+    fixed,
     mean_per_class_recall,
     ratio_note,
 )
@@ -80,11 +82,11 @@ def test_ratio_names_the_stronger_baseline():
             "majority": {"top1": 0.217, "top5": 0.6, "mean_per_class_recall": 1 / 16, "class": "cat"},
         },
     }
-    assert ratio_note(result, "top1") == "0.93× majority class"
-    assert ratio_note(result, "mean_per_class_recall") == "2.0× uniform chance"  # a tie: chance named
+    assert ratio_note(result, "top1") == "0.926× majority class"  # 0.201 / 0.217, 3 significant digits
+    assert ratio_note(result, "mean_per_class_recall") == "2× uniform chance"  # a tie: chance named
     assert ratio_note(result, "top5") == ""  # no ratio for top-5
     text = format_value(result, "top1")
-    assert text == "0.2010 (0.93× majority class; uniform chance 0.0625, majority class 0.2170 ('cat'))"
+    assert text == "0.2010 (0.926× majority class; uniform chance 0.0625, majority class 0.2170 ('cat'))"
     assert "×" not in format_value(result, "top5") and "majority class 0.6000" in format_value(result, "top5")
 
 
@@ -97,4 +99,36 @@ def test_markdown_every_ratio_names_its_baseline():
     ratios = [line for line in text.splitlines() if "×" in line]
     assert len(ratios) == 2  # top1 and mean per-class recall
     assert all("× majority class" in line or "× uniform chance" in line for line in ratios)
-    assert "0.6000 (0.86× majority class" in text  # 6 of 10 right against always-'a' at 0.7
+    assert "0.6000 (0.857× majority class" in text  # 6 of 10 right against always-'a' at 0.7
+
+
+def test_majority_tie_names_every_tied_class():
+    labels = torch.tensor([2, 0, 2, 0, 1])  # 'a' and 'c' both twice
+    majority = class_baselines(labels, ["a", "b", "c"])["majority"]
+    assert majority["top1"] == pytest.approx(2 / 5)
+    assert sorted(majority["tied"]) == ["a", "c"] and majority["class"] in ("a", "c")
+    result = {"top1": 0.6, "baselines": {"majority": majority}}
+    assert "a tie of 'c', 'a'" in baseline_note(result, "top1") or "a tie of 'a', 'c'" in baseline_note(
+        result, "top1"
+    )
+    assert "tied" not in class_baselines(torch.tensor([0, 0, 1]), ["a", "b"])["majority"]
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1 / 819, "0.001221"),
+        (0.0625, "0.0625"),
+        (0.02, "0.0200"),
+        (0.2170, "0.2170"),
+        (1e-7, "1e-07"),
+        (0.0, "0.0000"),
+    ],  # fmt: skip
+)
+def test_small_baselines_keep_four_significant_digits(value, text):
+    assert fixed(value) == text
+
+
+def test_retrieval_rows_give_the_ratio_to_chance():
+    result = {"name": "retrieval", "data": "d", "i2t_R@1": 0.05, "chance_recall": {"i2t_R@1": 1 / 819}}
+    assert format_value(result, "i2t_R@1") == "0.0500 (41× chance 0.001221)"  # 0.05 * 819 = 40.95

@@ -159,8 +159,8 @@ def test_retrieval_report_shows_the_chance_of_each_recall():
     result = {"name": "retrieval", "data": "d", "i2t_R@1": 0.25, "mean_recall": 0.3,
               "chance_recall": {"i2t_R@1": 0.02, "mean_recall": 0.05}}  # fmt: skip
     text = markdown_table({"export": "e", "results": [result]})
-    assert "| retrieval d | i2t_R@1 | 0.2500 (chance 0.0200) |" in text
-    assert "| mean_recall | 0.3000 (chance 0.0500) |" in text
+    assert "| retrieval d | i2t_R@1 | 0.2500 (12.5× chance 0.0200) |" in text  # 0.25 / 0.02
+    assert "| mean_recall | 0.3000 (6× chance 0.0500) |" in text
 
 
 def test_mean_and_std_over_seeds():
@@ -241,7 +241,7 @@ def test_summary_averages_over_datasets():
 
 def test_markdown_table_folds_std_and_chance():
     text = markdown_table({**_report(), "summary": summarize(_report()["results"])})
-    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5.0× uniform chance) |" in text
+    assert "| zero_shot cifar10 d1 | top1 | 0.5000 ± 0.1000 (5× uniform chance) |" in text
     assert "| zero_shot d2:colour | top1 | 0.3000 (1.2× uniform chance) |" in text
     assert "| zero_shot_top1_mean | 0.4000 |" in text
     assert "top1_std" not in text and "chance |" not in text

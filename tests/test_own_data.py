@@ -119,12 +119,14 @@ def test_data_table_overrides(tmp_path, monkeypatch):
     )
     assert got["data.holdout"] == 0.1
     held = f"holdout:{got['data.shards']}?fraction=0.1"
+    trained = f"holdout:{got['data.shards']}?fraction=0.1&part=train"  # what the checks compare with
     other = got["eval"][2]["data"]
+    assert got["data.holdout_by"] is None
     assert got["eval"] == [
-        {"name": "retrieval", "data": held},
-        {"name": "zero_shot", "data": held, "label": "category"},
-        {"name": "retrieval", "data": other},
-        {"name": "zero_shot", "data": other, "label": "category"},
+        {"name": "retrieval", "data": held, "training_data": trained},
+        {"name": "zero_shot", "data": held, "label": "category", "training_data": trained},
+        {"name": "retrieval", "data": other, "training_data": trained},
+        {"name": "zero_shot", "data": other, "label": "category", "training_data": trained},
     ]
     assert other.endswith("/other.csv") and other.startswith("/")
     assert any("10.0%" in note for note in notes)

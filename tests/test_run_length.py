@@ -9,11 +9,10 @@ import pytest
 from test_own_data_flow import write_drawings
 from typer.testing import CliRunner
 
+from clipkit.app import own_data_defaults as defaults
 from clipkit.app.cli import make_app
 from clipkit.app.own_data import is_held_out
 from clipkit.app.run_length import (
-    DEFAULT_EPOCHS,
-    MAX_DEFAULT_STEPS,
     RunLength,
     plan_line,
     sets_steps,
@@ -32,9 +31,18 @@ def test_tiny_variants_are_sized_by_epochs():
 def test_steps_for_epochs_round_up_and_cap():
     assert steps_for(10, 3000, 64) == 469  # ceil(30 000 / 64)
     assert steps_for(0.01, 100, 64) == 1  # never zero steps
-    assert steps_for(DEFAULT_EPOCHS, 1_000_000, 64, cap=MAX_DEFAULT_STEPS) == MAX_DEFAULT_STEPS
+    assert steps_for(10, 1_000_000, 64, cap=2000) == 2000
     with pytest.raises(ClipkitError, match="--epochs must be > 0"):
         steps_for(0, 100, 64)
+
+
+def test_the_default_length_is_a_compute_budget_not_epochs():
+    """96 000 pairs whatever the table's size (1 500 steps of 64), at most 200 passes over a small one."""
+    assert defaults.BUDGET_SAMPLES == 96_000 and defaults.MAX_EPOCHS == 200
+    assert defaults.budget_steps(2821, 64) == 1500  # the issue's table: 34 epochs, not 10
+    assert defaults.budget_steps(1_000_000, 64) == 1500  # a big table: under one epoch (and told so)
+    assert defaults.budget_steps(96, 64) == math.ceil(200 * 96 / 64)  # a small one: 200 epochs
+    assert defaults.budget_steps(1, 1) == 200
 
 
 def test_user_steps_are_recognised():
@@ -75,22 +83,79 @@ def test_epochs_without_data_is_refused():
     assert outcome.exit_code == 2 and "--epochs counts passes over your --data" in outcome.output
 
 
+def sized(in_tmp, registry, user: list[str], n: int = 40):
+    """(clip@tiny on an n-row table sized and set by its own-data defaults, the printed lines)."""
+    from clipkit.app import api
+    from clipkit.app.run_length import size_run
+
+    table = write_drawings(in_tmp, n=n)
+    overrides = [f"data.source={in_tmp / table}", f"data.shards={in_tmp / 'shards'}", *user]
+    recipe = api.resolve("clip@tiny", overrides, registry)
+    return size_run("clip@tiny", recipe, user, None, registry)
+
+
+def test_tiny_defaults_on_your_data_without_the_pretrained_tower(in_tmp, registry, monkeypatch):
+    monkeypatch.setattr(defaults, "has_minilm", lambda: False)
+    recipe, lines = sized(in_tmp, registry, [])
+    steps = defaults.budget_steps(40, 40)  # fit_batch: 40 rows, one batch
+    assert recipe["train"]["steps"] == steps == 200
+    assert recipe["schedule"]["warmup_steps"] == round(0.05 * steps)
+    assert list(recipe["data"]["crop_scale"]) == [0.8, 1.0]
+    assert recipe["model"]["text_encoder"]["name"] == "text_transformer_tiny"  # the recipe's own
+    assert defaults.MINILM_PIP in lines and lines.splitlines()[-1].startswith(f"train: {steps} steps")
+
+
+def test_your_own_settings_win_over_the_tiny_defaults(in_tmp, registry, monkeypatch):
+    monkeypatch.setattr(defaults, "has_minilm", lambda: True)
+    user = ["data.crop_scale=[1.0, 1.0]", "schedule.warmup_steps=7", "train.steps=30",
+            "model.text_encoder={name: text_transformer_tiny}"]  # fmt: skip
+    recipe, lines = sized(in_tmp, registry, user)
+    assert recipe["train"]["steps"] == 30 and recipe["schedule"]["warmup_steps"] == 7
+    assert list(recipe["data"]["crop_scale"]) == [1.0, 1.0]
+    assert recipe["model"]["text_encoder"]["name"] == "text_transformer_tiny"
+    assert "text:" not in lines
+
+
+def test_tiny_defaults_take_the_pretrained_text_tower_when_installed(in_tmp, registry):
+    pytest.importorskip(defaults.MINILM_PACKAGE)
+    recipe, lines = sized(in_tmp, registry, [])
+    assert recipe["model"]["text_encoder"] == {"name": "minilm_l6", "frozen": True}
+    assert (
+        recipe["model"]["tokenizer"]["name"] == "wordpiece"
+        and recipe["model"]["tokenizer"]["vocab"] == "minilm"
+    )
+    assert "all-MiniLM-L6-v2" in lines
+
+
+def test_recipes_without_a_scratch_text_tower_keep_theirs():
+    assert not defaults.takes_text_tower({"model": {"pair": "two_view", "text_encoder": None}})
+    assert not defaults.takes_text_tower({"model": {"text_encoder": {"name": "minilm_l6"}}})
+    assert defaults.takes_text_tower({"model": {"text_encoder": {"name": "distilbert_tiny"}}})
+    point_set = {"name": "text_transformer_tiny", "output": "tokens", "pad_points": "include"}  # WPSE
+    assert not defaults.takes_text_tower({"model": {"text_encoder": point_set}})
+    assert defaults.user_sets(["model.text_encoder.frozen=false"], "model.text_encoder")
+    assert defaults.user_sets(["model={embed_dim: 8}"], "model.text_encoder")
+    assert not defaults.user_sets(["model.text_encoder_x=1"], "model.text_encoder")
+
+
 @pytest.mark.slow
 def test_own_data_run_lasts_epochs_and_a_short_one_says_so(in_tmp):
-    """`clipkit train clip@tiny --data TABLE`: 10 epochs over the training rows, said at the start;
-    `train.steps=1` (under one epoch) is kept, and the last line and the report say it was short."""
+    """`clipkit train clip@tiny --data TABLE --epochs 2`: 2 epochs over the training rows, said at
+    the start; `train.steps=1` (under one epoch) is kept, and the last line and the report say it
+    was short."""
     runner, app = CliRunner(), make_app()
     table = write_drawings(in_tmp, n=96)
     kept = 96 - sum(is_held_out(str(i), 0.05) for i in range(96))
     quick = ["data.num_workers=0", "train.memory_check=false", "train.checkpoint_every=100"]
-    outcome = runner.invoke(app, ["train", "clip@tiny", "--data", table, "--run-dir", "run", *quick])
+    outcome = runner.invoke(
+        app, ["train", "clip@tiny", "--data", table, "--epochs", "2", "--run-dir", "run", *quick]
+    )
     assert outcome.exit_code == 0, outcome.output
-    steps = math.ceil(DEFAULT_EPOCHS * kept / 64)
+    steps = math.ceil(2 * kept / 64)
     assert f"train: {steps} steps = {steps * 64 / kept:.3g} epochs of your {kept} samples" in outcome.output
     last = json.loads((in_tmp / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == steps and last["epoch"] >= DEFAULT_EPOCHS
+    assert last["step"] == steps and last["epoch"] >= 2
     assert "note:" not in outcome.output and "Note" not in (in_tmp / "run" / "eval.md").read_text()
-
     short = runner.invoke(
         app, ["train", "clip@tiny", "--data", table, "--run-dir", "run2", "train.steps=1", *quick]
     )
@@ -103,3 +168,23 @@ def test_own_data_run_lasts_epochs_and_a_short_one_says_so(in_tmp):
     )
     assert "**Note:** this run ended after" in (in_tmp / "run2" / "eval.md").read_text()
     assert json.loads((in_tmp / "run2" / "eval.json").read_text())["notes"][0].startswith("this run ended")
+
+
+@pytest.mark.parametrize("spec", ["clip@tiny", "siglip@tiny", "cloob@tiny", "nuclr@tiny", "quickstart"])
+def test_the_pretrained_tower_fits_every_tiny_variant_that_takes_it(spec, registry):
+    """Each pooled tiny variant with the MiniLM overrides is a valid recipe (validation checks the
+    tower's own tokenizer); WPSE's and KME-CLIP's point-set towers are not replaced."""
+    pytest.importorskip(defaults.MINILM_PACKAGE)
+    from clipkit.app import api
+    from clipkit.config.recipe import amend_resolved, validate_or_raise
+
+    recipe = api.resolve(spec, [], registry)
+    assert defaults.takes_text_tower(recipe)
+    validate_or_raise(amend_resolved(recipe, list(defaults.MINILM_OVERRIDES), kept=[], where=spec), registry)
+
+
+@pytest.mark.parametrize("spec", ["wpse@tiny", "kme_clip@tiny", "yaware@tiny"])
+def test_point_set_and_two_view_tiny_variants_keep_their_towers(spec, registry):
+    from clipkit.app import api
+
+    assert not defaults.takes_text_tower(api.resolve(spec, [], registry))

@@ -166,11 +166,13 @@ def shard_command(
 
 
 def print_image_counts(manifest: dict) -> None:
-    """One line about images with transparency: flattened now, or when loaded."""
+    """One line about images with transparency: how many were flattened now (always said under
+    ``-o background=...``, none included), or that the loader will composite them."""
     info = manifest.get("info") or {}
     alpha, flattened = info.get("alpha_images", 0), info.get("alpha_flattened", 0)
-    if flattened:
-        typer.echo(f"{flattened} image(s) with transparency composited onto {info.get('background')} (PNG)")
+    if info.get("background") is not None:
+        typer.echo(f"flattened {flattened} of {manifest.get('n', '?')} image(s) with transparency onto "
+                   f"{info.get('background')} (stored as PNG)")  # fmt: skip
     elif alpha:
         typer.echo(f"{alpha} image(s) with transparency: composited onto data.background (default white) "
                    "when loaded; -o background=COLOUR does it now")  # fmt: skip
@@ -201,6 +203,14 @@ def train_command(
     holdout: Annotated[
         float, typer.Option(help="Fraction of --data held out of training for evaluation (by key hash)")
     ] = 0.05,
+    holdout_by: Annotated[
+        str,
+        typer.Option(
+            help="Column of --data whose groups are held out whole (all rows of a group on one side); "
+            "without it rows are split one by one and the report says how many held-out captions and "
+            "labels also occur in training"
+        ),
+    ] = None,
     label: Annotated[
         str, typer.Option(help="Column of --data with a class: adds zero-shot over its values")
     ] = None,
@@ -210,8 +220,8 @@ def train_command(
     epochs: Annotated[
         float,
         typer.Option(
-            help="With --data: train this many epochs over your data (tiny variants: 10 by default, "
-            "at most 2000 steps); train.steps=N still wins"
+            help="With --data: train this many epochs over your data (tiny variants by default: a budget "
+            "of 96 000 pairs seen, at most 200 epochs); train.steps=N still wins"
         ),
     ] = None,
     report_to: Annotated[
@@ -233,14 +243,15 @@ def train_command(
     from clipkit.train.runtime import launched_as_main
 
     own_data = None
-    if data is not None or eval_data or label is not None:
+    if data is not None or eval_data or label is not None or holdout_by is not None:
         if resume:
             raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
         from clipkit.app.own_data import OwnData
 
         own_data = OwnData(
-            data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs
-        )
+            data, holdout=holdout, label=label, eval_data=tuple(eval_data or ()), epochs=epochs,
+            holdout_by=holdout_by,
+        )  # fmt: skip
         if epochs is not None and not own_data.is_own:
             raise ClipkitError("--epochs counts passes over your own --data; synthetic data: set train.steps")
         notes = own_data.notes()
@@ -329,11 +340,13 @@ def convert_command(
 
 @fails_cleanly
 def eval_command(
-    export_dir: Annotated[
-        Path,
+    export_dirs: Annotated[
+        list[str],
         typer.Argument(
-            help="An export directory (clipkit.json + model.safetensors), or an open_clip / Hugging "
-            "Face CLIP directory or OpenAI-layout .safetensors file (converted on the fly)"
+            metavar="EXPORT...",
+            help="Export directories (clipkit.json + model.safetensors), run directories (their export/), "
+            "`latest` (the run under runs/ exported last), or open_clip / Hugging Face CLIP directories "
+            "or OpenAI-layout .safetensors files (converted on the fly); each gets its own report",
         ),
     ],
     task: Annotated[
@@ -365,9 +378,9 @@ def eval_command(
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     quick_gelu: Annotated[bool, typer.Option(help=QUICK_GELU_HELP)] = None,
 ):
-    """Evaluate an export: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG)."""
-    from clipkit.app import api
+    """Evaluate exports: zero-shot, retrieval, linear probe, diagnostics (table, JSON, Markdown, PNG).
 
+    Several exports (a glob over runs) are evaluated in turn, each with its own report."""
     tasks, skip_missing = None, False
     if tasks_file is not None:
         suite_root = data if task is None else None  # --data with --tasks alone: the suite's root
@@ -377,6 +390,26 @@ def eval_command(
         given = (("data", data), ("label", label), ("dataset", dataset))
         config.update({k: v for k, v in given if v is not None})
         tasks = (tasks or []) + [config]
+    from clipkit.eval.targets import resolve_targets
+
+    exports, failures = resolve_targets(export_dirs, output), []
+    for export_dir in exports:
+        if len(exports) > 1:
+            typer.echo(f"== {export_dir}")
+        try:
+            evaluate_one(export_dir, tasks, output, plots=plots, no_verify=no_verify, quick_gelu=quick_gelu,
+                         skip_missing=skip_missing)  # fmt: skip
+        except ClipkitError as error:
+            if len(exports) == 1:
+                raise
+            failures.append(f"{export_dir}: {error}")  # the other exports are still evaluated
+    if failures:
+        raise ClipkitError(f"{len(failures)} of {len(exports)} exports failed: {'; '.join(failures)}")
+
+
+def evaluate_one(export_dir: Path, tasks, output, *, plots, no_verify, quick_gelu, skip_missing) -> None:
+    """Evaluate one export, print its table and write its report (``clipkit eval``)."""
+    from clipkit.app import api
     from clipkit.eval.report_index import next_report_path
 
     output = output or next_report_path(export_dir, tasks)
@@ -648,6 +681,7 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from clipkit.eval.evaluate import result_warnings
     from clipkit.eval.report import metric_rows, task_label
 
     table = Table("task", "metric", "value")  # the task label names its data; the JSON has the full URI
@@ -661,8 +695,8 @@ def print_evals(results: list[dict], summary: dict | None = None) -> None:
         for key, value in metric_rows(result):
             table.add_row(task, key, value)
             task = ""  # name each task once
-        if result.get("warning"):
-            table.add_row(task, "[yellow]warning[/yellow]", escape(result["warning"]))
+        for warning in result_warnings(result):
+            table.add_row(task, "[yellow]warning[/yellow]", escape(warning))
     for key, value in (summary or {}).items():
         table.add_row("average" if key == next(iter(summary)) else "", key, f"{value:.4g}")
     console().print(table)

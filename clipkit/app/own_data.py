@@ -25,8 +25,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from clipkit.errors import ClipkitError
+from clipkit.errors import ClipkitError, DataError
 
 HOLDOUT_SCHEME = "holdout:"
 #: The default fraction held out of training for evaluation.
@@ -44,6 +45,55 @@ def is_held_out(key: str, fraction: float) -> bool:
     return fraction > 0 and split_position(key) < fraction
 
 
+class Holdout(float):
+    """A held-out fraction (a float, so ``holdout > 0`` reads as before) that also names the
+    meta-data column whose value is hashed instead of each sample's key: ``by`` (``--holdout-by``)
+    puts all rows of a group on one side of the split, so variants of one drawing, captions of one
+    photo or rows of one class cannot be both trained on and scored; without it rows are split
+    one by one. The fraction is then one of groups, not of rows."""
+
+    by: str | None
+
+    def __new__(cls, fraction: float = 0.0, by: str | None = None) -> Holdout:
+        rule = super().__new__(cls, float(fraction))
+        rule.by = by or None
+        return rule
+
+    def __reduce__(self):  # loader workers get the column too
+        return (Holdout, (float(self), self.by))
+
+    def __repr__(self) -> str:
+        return f"Holdout({float(self)!r}, by={self.by!r})"
+
+    def split_key(self, key: str, meta: dict | None) -> str:
+        """What is hashed for the sample with ``key`` and ``meta``: its key, or its ``by`` value
+        (DataError naming the sample and the column when it has none)."""
+        if self.by is None:
+            return str(key)
+        value = (meta or {}).get(self.by)
+        if value is None or value == "":
+            present = sorted(k for k in (meta or {}) if k != "index")
+            raise DataError(
+                f"sample {key!r}: no value in column {self.by!r} to group the held-out split by "
+                f"(--holdout-by; its columns: {present})"
+            )
+        return f"{self.by}={json.dumps(value, sort_keys=True) if not isinstance(value, str) else value}"
+
+    def holds(self, key: str, meta: dict | None = None) -> bool:
+        """Whether the sample with ``key`` and ``meta`` is held out."""
+        return self > 0 and is_held_out(self.split_key(key, meta), float(self))
+
+
+def holdout_rule(holdout: float, by: str | None = None) -> Holdout:
+    """``holdout`` (a float or a :class:`Holdout`) as a :class:`Holdout`; ``by`` where it has none."""
+    return holdout if isinstance(holdout, Holdout) else Holdout(holdout, by)
+
+
+def recipe_holdout(data) -> Holdout:
+    """The held-out split of a recipe's ``data`` section (``data.holdout``, ``data.holdout_by``)."""
+    return Holdout(data.holdout, getattr(data, "holdout_by", None))
+
+
 def check_fraction(fraction: float, what: str) -> float:
     fraction = float(fraction)
     if not 0 <= fraction < 1:
@@ -51,10 +101,12 @@ def check_fraction(fraction: float, what: str) -> float:
     return fraction
 
 
-def holdout_uri(shards: str, fraction: float) -> str:
-    """The eval-data URI of the held-out split of ``shards``
-    (:mod:`clipkit.plugins.sources.holdout_source`)."""
-    return f"{HOLDOUT_SCHEME}{shards}?fraction={fraction:g}"
+def holdout_uri(shards: str, fraction: float, by: str | None = None, part: str | None = None) -> str:
+    """The eval-data URI of the held-out split of ``shards`` (grouped ``by`` a column; ``part=train``:
+    the rest, what training sees) (:mod:`clipkit.plugins.sources.holdout_source`)."""
+    query = [f"fraction={float(fraction):g}"] + ([f"by={quote(by)}"] if by else [])
+    query += [f"part={part}"] if part else []
+    return f"{HOLDOUT_SCHEME}{shards}?{'&'.join(query)}"
 
 
 def is_shard_directory(data: str) -> bool:
@@ -88,12 +140,20 @@ def absolute(data: str) -> str:
     return str(Path(path).resolve()) + sep + query
 
 
-def eval_tasks(data: str, label: str | None) -> list[dict[str, Any]]:
-    """Retrieval on ``data``, and zero-shot over ``label`` when one is named."""
-    tasks: list[dict[str, Any]] = [{"name": "retrieval", "data": data}]
+def eval_tasks(data: str, label: str | None, training_data: str | None = None) -> list[dict[str, Any]]:
+    """Retrieval on ``data``, and zero-shot over ``label`` when one is named; with ``training_data``
+    (the URI of what the model trains on) each task checks its data against it
+    (:mod:`clipkit.eval.data_checks`)."""
+    checked = {"training_data": training_data} if training_data else {}
+    tasks: list[dict[str, Any]] = [{"name": "retrieval", "data": data, **checked}]
     if label:
-        tasks.append({"name": "zero_shot", "data": data, "label": label})
+        tasks.append({"name": "zero_shot", "data": data, "label": label, **checked})
     return tasks
+
+
+def training_uri(shards: str, holdout: float, by: str | None) -> str:
+    """The URI of the samples a run trains on: ``shards`` less their held-out split."""
+    return holdout_uri(shards, holdout, by, part="train") if holdout > 0 else shards
 
 
 def own_data_overrides(
@@ -103,18 +163,22 @@ def own_data_overrides(
     label: str | None = None,
     eval_data: list[str] | None = None,
     recipe_eval: list[dict] | None = None,
+    holdout_by: str | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(recipe overrides, notes to print) for ``--data``, ``--holdout``, ``--label``, ``--eval-data``.
+    """(recipe overrides, notes to print) for ``--data``, ``--holdout``, ``--holdout-by``,
+    ``--label``, ``--eval-data``.
 
     ``recipe_eval``: the recipe's own eval tasks, kept (with ``eval_data`` added) when ``data`` is
     None or synthetic; replaced by evaluation on the user's data otherwise.
     """
     holdout = check_fraction(holdout, "--holdout")
-    extra = [task for item in eval_data or [] for task in eval_tasks(absolute(item), label)]
     notes = [f"eval: also on {absolute(item)}" for item in eval_data or []]
     if data is None or is_synthetic(data):
         if label and not eval_data:
             raise ClipkitError("--label names a column of your --data or --eval-data; give one of them")
+        if holdout_by:
+            raise ClipkitError("--holdout-by names a column of your own --data; give --data TABLE")
+        extra = [task for item in eval_data or [] for task in eval_tasks(absolute(item), label)]
         overrides = [f"eval={json.dumps(list(recipe_eval or []) + extra)}"] if extra else []
         if data is not None:
             overrides += [f"data.source={json.dumps(data)}", f"data.shards={json.dumps(shards_for(data))}"]
@@ -123,9 +187,11 @@ def own_data_overrides(
     check_local_data(data)
     if is_streamed_data(data):
         holdout = streamed_holdout(holdout)
+        if holdout_by:
+            raise ClipkitError("--holdout-by: streamed --data has no held-out split; give --eval-data")
         shards, source = data, ""
         notes.insert(0, f"data: streaming the shards {redact(data)} (no local copy)")
-        if not extra:
+        if not eval_data:
             notes.insert(1, "data: streamed data has no held-out split; evaluate it with --eval-data")
     elif is_shard_directory(data):
         shards, source = data, ""
@@ -133,15 +199,21 @@ def own_data_overrides(
     else:
         shards, source = shards_for(data), data
         notes.insert(0, f"data: {data} is sharded (once) into {shards}")
-    tasks = eval_tasks(holdout_uri(shards, holdout), label) if holdout > 0 else []
+    training = None if is_streamed_data(data) else training_uri(shards, holdout, holdout_by)
+    extra = [task for item in eval_data or [] for task in eval_tasks(absolute(item), label, training)]
+    tasks = eval_tasks(holdout_uri(shards, holdout, holdout_by), label, training) if holdout > 0 else []
     if holdout > 0:
-        notes.insert(1, f"data: {holdout:.1%} of the samples (by key hash) are held out for evaluation")
+        what = "samples (by key hash)"
+        if holdout_by:
+            what = f"{holdout_by!r} groups (all rows of a group on one side)"
+        notes.insert(1, f"data: {holdout:.1%} of the {what} are held out for evaluation")
     elif not extra and not is_streamed_data(data):
         notes.insert(1, "data: --holdout 0 and no --eval-data: the run is not evaluated")
     overrides = [
         f"data.shards={json.dumps(shards)}",
         f"data.source={json.dumps(source)}",
         f"data.holdout={holdout}",
+        f"data.holdout_by={json.dumps(holdout_by) if holdout_by else 'null'}",
         f"eval={json.dumps(tasks + extra)}",
     ]
     return overrides, notes
@@ -195,6 +267,7 @@ class OwnData:
     label: str | None = None
     eval_data: tuple[str, ...] = ()
     epochs: float | None = None  # --epochs: passes over the user's data (clipkit.app.run_length)
+    holdout_by: str | None = None  # --holdout-by: a column; all rows of a group on one side
 
     @property
     def is_own(self) -> bool:
@@ -210,7 +283,12 @@ class OwnData:
         return own_data_overrides(self.data, **self._options())[1]
 
     def _options(self) -> dict[str, Any]:
-        return {"holdout": self.holdout, "label": self.label, "eval_data": list(self.eval_data)}
+        return {
+            "holdout": self.holdout,
+            "holdout_by": self.holdout_by,
+            "label": self.label,
+            "eval_data": list(self.eval_data),
+        }
 
 
 def parse_split(text: str) -> tuple[str, float]:
@@ -234,7 +312,7 @@ class SplitPart:
 
     def __iter__(self):
         for sample in self.source:
-            if is_held_out(sample.key, self.fraction) == self.held_out:
+            if holdout_rule(self.fraction).holds(sample.key, sample.meta) == self.held_out:
                 yield sample
 
     def info(self) -> dict[str, Any]:
@@ -246,6 +324,7 @@ class SplitPart:
 USER_KNOBS = (
     ("data.shards", "the training data (set by --data; a table is sharded into it)"),
     ("data.holdout", "fraction held out of training for evaluation (--holdout)"),
+    ("data.holdout_by", "column whose groups are held out whole (--holdout-by; null: row by row)"),
     ("data.background", "colour transparent pixels are composited onto"),
     ("data.batch_size", "samples per step over all processes (lower it for a small table)"),
     ("data.fit_batch", "lower data.batch_size to a table smaller than one batch (tiny variants: on)"),

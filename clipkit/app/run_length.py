@@ -1,11 +1,15 @@
-"""How long a run on your own data is, in epochs: ``clipkit train RECIPE --data TABLE [--epochs E]``.
+"""How long a run on your own data is: ``clipkit train RECIPE --data TABLE [--epochs E]``.
 
 A step count means nothing to someone who brings a table: 20 steps of 64 are 0.45 of an epoch of
 3 000 images, and a model that has not seen its data once scores at chance. So with ``--data``:
 
-- the tiny variants (``@tiny``, ``quickstart``) size their run by epochs over the training split
-  of the table (what is left after the held-out part): :data:`DEFAULT_EPOCHS` epochs, at most
-  :data:`MAX_DEFAULT_STEPS` steps (a big table then gets fewer epochs, and is told so);
+- the tiny variants (``@tiny``, ``quickstart``) train for a compute budget: a fixed number of
+  image–caption pairs (:data:`clipkit.app.own_data_defaults.BUDGET_SAMPLES`, at most
+  :data:`~clipkit.app.own_data_defaults.MAX_EPOCHS` passes over a small table), said in epochs of
+  the training split of the table (what is left after the held-out part) — ten epochs of a few
+  thousand drawings were a tenth of a ten-minute budget and left most of the quality unused; they
+  also take the rest of :mod:`clipkit.app.own_data_defaults` (a pretrained text tower when installed,
+  mild crops, a warm-up sized to the run);
 - ``--epochs E`` asks for E epochs on any recipe (not capped); ``train.steps=N`` still wins;
 - the start of the run prints ``N steps = E epochs of your M samples`` (:func:`plan_line`), and a
   run that ends under one epoch says so in its last line and in its report (:func:`short_run_note`).
@@ -23,11 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clipkit.errors import ClipkitError
-
-#: Epochs over your training split that a tiny variant trains for with ``--data`` by default.
-DEFAULT_EPOCHS = 10
-#: The most steps that default gives (about 5 minutes of a tiny model on 2 CPU cores).
-MAX_DEFAULT_STEPS = 2000
 
 
 @dataclass(frozen=True)
@@ -92,13 +91,17 @@ def count_training_samples(recipe: dict, registry) -> int | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (Path(target) / MANIFEST).is_file():
         return None
     shards = ensure_shards(target, data.source, pm=registry.pm)
-    return training_split(shards, data.holdout).num_samples
+    from clipkit.app.own_data import recipe_holdout
+
+    return training_split(shards, recipe_holdout(data)).num_samples
 
 
 def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> RunLength | None:
-    """The run's length on its data: ``epochs`` when given, :data:`DEFAULT_EPOCHS` (capped) when
-    ``by_default``, else the recipe's ``train.steps``; None when the data cannot be counted before
-    training (:func:`count_training_samples`)."""
+    """The run's length on its data: ``epochs`` when given, the compute budget
+    (:func:`clipkit.app.own_data_defaults.budget_steps`) when ``by_default``, else the recipe's
+    ``train.steps``; None when the data cannot be counted before training
+    (:func:`count_training_samples`)."""
+    from clipkit.app.own_data_defaults import budget_steps
     from clipkit.config.recipe import section
 
     num_samples = count_training_samples(recipe, registry)
@@ -110,7 +113,7 @@ def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> R
     if epochs is not None:
         steps = steps_for(epochs, num_samples, batch)
     elif by_default:
-        steps = steps_for(DEFAULT_EPOCHS, num_samples, batch, cap=MAX_DEFAULT_STEPS)
+        steps = budget_steps(num_samples, batch)
     else:
         steps = int(section(recipe, "train").steps)
     return RunLength(steps, batch, num_samples)
@@ -146,21 +149,27 @@ def short_run_note(metrics: dict) -> str | None:
 
 
 def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float | None, registry):
-    """(``recipe`` with ``train.steps`` sized by epochs over the user's data, the
-    ``N steps = E epochs of your M samples`` line to print). The table is sharded now (its sample
-    count sets the steps); the user's own ``train.steps=N`` is kept as given."""
+    """(``recipe`` sized and set for the user's data, the lines to print: what the tiny variant's
+    defaults chose (:mod:`clipkit.app.own_data_defaults`) and ``N steps = E epochs of your M samples``).
+    The table is sharded now (its sample count sets the steps); the user's own ``train.steps=N``
+    and other overrides are kept as given."""
+    from clipkit.app import own_data_defaults as defaults
     from clipkit.config.recipe import amend_resolved, section, validate_or_raise
 
-    user_steps = sets_steps(user_overrides)
-    length = plan(
-        recipe,
-        registry,
-        epochs=None if user_steps else epochs,
-        by_default=sized_by_epochs(spec) and not user_steps,
-    )
-    if length is None:
-        return recipe, UNSIZED_NOTE.format(steps=section(recipe, "train").steps)
-    if not user_steps:
-        recipe = amend_resolved(recipe, [f"train.steps={length.steps}"], kept=user_overrides, where=spec)
+    user_steps, tiny = sets_steps(user_overrides), sized_by_epochs(spec)
+    extra, notes = [], []
+    if tiny:
+        towers, note = defaults.tower_overrides(recipe, user_overrides)
+        extra += towers + defaults.augment_overrides(recipe, user_overrides)
+        notes += [note] if note else []
+    length = plan(recipe, registry, epochs=None if user_steps else epochs, by_default=tiny and not user_steps)
+    steps = length.steps if length is not None else int(section(recipe, "train").steps)
+    if length is not None and not user_steps:
+        extra.append(f"train.steps={length.steps}")
+    if tiny:
+        extra += defaults.warmup_overrides(recipe, steps, user_overrides)
+    if extra:
+        recipe = amend_resolved(recipe, extra, kept=user_overrides, where=spec)
         recipe = validate_or_raise(recipe, registry, where=spec)
-    return recipe, plan_line(length)
+    line = UNSIZED_NOTE.format(steps=steps) if length is None else plan_line(length)
+    return recipe, "\n".join([*notes, line])

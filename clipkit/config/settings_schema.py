@@ -92,6 +92,9 @@ class DataConfig:
     # Fraction of samples (by a hash of their key) left out of training for evaluation; set by
     # `clipkit train --data` (--holdout), see clipkit.app.own_data.
     holdout: float = 0.0
+    # A meta-data column whose value is hashed instead of the key (`clipkit train --holdout-by`):
+    # all rows of a group on one side of the split; null: row by row.
+    holdout_by: str | None = None
 
 
 @dataclass

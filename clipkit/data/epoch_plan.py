@@ -132,7 +132,20 @@ def record_key(json_bytes: bytes, fallback: str) -> str:
         return fallback
 
 
-def record_held_out(record: dict[str, Any], holdout: float) -> bool:
-    from clipkit.app.own_data import is_held_out
+def record_meta(json_bytes: bytes) -> dict[str, Any]:
+    """The meta-data stored in a record's json ({} when it has none)."""
+    try:
+        meta = json.loads(json_bytes).get("meta")
+    except (ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
-    return is_held_out(record_key(record.get("json", b"{}"), record.get("__key__", "")), holdout)
+
+def record_held_out(record: dict[str, Any], holdout: float) -> bool:
+    """Whether a raw record is in the held-out split ``holdout`` (a fraction, or a
+    :class:`clipkit.app.own_data.Holdout` grouped by a column of its meta-data)."""
+    from clipkit.app.own_data import holdout_rule
+
+    rule, raw = holdout_rule(holdout), record.get("json", b"{}")
+    meta = record_meta(raw) if rule.by else None
+    return rule.holds(record_key(raw, record.get("__key__", "")), meta)

@@ -39,7 +39,7 @@ import torch
 import torch.utils.data
 
 from clipkit.data.captions import draw_caption
-from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, read_segments, record_key
+from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, read_segments, record_key, record_meta
 from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.transforms import ImageTransform, decode_transformed
@@ -81,7 +81,8 @@ def is_clipkit_directory(shards) -> bool:
 
 
 def training_split(shards, holdout: float = 0.0) -> TrainingSplit:
-    """The :class:`TrainingSplit` of ``shards``; with a ``holdout`` each tar's json members are read."""
+    """The :class:`TrainingSplit` of ``shards``; with a ``holdout`` (a fraction, or a
+    :class:`clipkit.app.own_data.Holdout` grouped by a column) each tar's json members are read."""
     manifest = read_manifest(shards)
     counts = [(str(Path(shards) / s["name"]), int(s["count"])) for s in manifest["shards"]]
     if holdout <= 0:
@@ -99,15 +100,15 @@ def split_tar(url: str, holdout: float) -> tuple[int, list[int]]:
     only the json members."""
     import tarfile
 
-    from clipkit.app.own_data import is_held_out
+    from clipkit.app.own_data import holdout_rule
 
-    kept, held = 0, []
+    kept, held, rule = 0, [], holdout_rule(holdout)
     with tarfile.open(url) as tar:
         for member in tar:
             name, _, field = member.name.partition(".")
             if member.isfile() and field == "json":
                 record = tar.extractfile(member).read()
-                if is_held_out(record_key(record, name), holdout):
+                if rule.holds(record_key(record, name), record_meta(record)):
                     held.append(record_index(record, name))
                 else:
                     kept += 1
@@ -313,7 +314,10 @@ class BatchStream:
         policy=None,
         require_index=False,
     ):
-        self.holdout, self.policy, self.require_index = float(holdout), policy or ReadPolicy(), require_index
+        from clipkit.app.own_data import holdout_rule
+
+        self.holdout, self.policy = holdout_rule(holdout), policy or ReadPolicy()
+        self.require_index = require_index
         self.batch_size, self.transform, self.tokenizer = batch_size, transform, tokenizer
         self.seed, self.num_workers, self.shuffle_buffer = seed, num_workers, shuffle_buffer
         self.views, self.resampled = views, resampled

@@ -142,9 +142,7 @@ def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry
             result = {"name": config["name"], **task(model, registry)}
             if isinstance(config, dict) and config.get(ABOUT):
                 result[ABOUT] = config[ABOUT]  # a suite's title and main metric for the task
-            warning = small_set_warning(result)
-            if warning:
-                result["warning"] = warning
+            add_warnings(result)
         except Exception as error:  # noqa: BLE001 — reported in the suite's results, never lost
             message = str(error) if isinstance(error, ClipkitError) else f"{type(error).__name__}: {error}"
             described = {k: config[k] for k in ("data", "label", "dataset") if config.get(k) is not None}
@@ -170,6 +168,20 @@ def small_set_warning(result: dict) -> str | None:
         f"only {n} sample(s): each moves a score by {1 / n:.0%}, too few to compare runs "
         f"(hold out more with --holdout, or add --eval-data)"
     )
+
+
+def add_warnings(result: dict) -> None:
+    """Gather a result's warnings (its task's ``warnings`` and :func:`small_set_warning`) in
+    ``warnings``, one per line in the report, and ``warning``: all of them in one string."""
+    warnings = [small_set_warning(result)] + list(result.pop("warnings", None) or [])
+    warnings = [text for text in warnings if text]
+    if warnings:
+        result["warnings"], result["warning"] = warnings, "; ".join(warnings)
+
+
+def result_warnings(result: dict) -> list[str]:
+    """A result's warnings, one per item (reports written before ``warnings`` have ``warning``)."""
+    return list(result.get("warnings") or ([result["warning"]] if result.get("warning") else []))
 
 
 def failed_tasks(results: Iterable[dict]) -> list[dict]:
@@ -211,6 +223,31 @@ def check_tasks(tasks: list[dict], registry: Registry) -> None:
         raise ClipkitError(f"{len(errors)} problem(s) with the eval task(s), nothing evaluated: {problems}")
 
 
+#: Eval tasks that check their data against the training data (:mod:`clipkit.eval.data_checks`).
+CHECKED_TASKS = ("zero_shot", "retrieval")
+
+
+def with_training_data(tasks: list[dict], recipe: dict, registry: Registry) -> list[dict]:
+    """``tasks`` given to ``clipkit eval`` with the ``training_data`` of the export's own run (a
+    ``clipkit train --data`` run records it in its eval tasks) where they name none, so a zero-shot
+    on more data still says which class names training never showed; unchanged when the run's
+    training data is not readable here."""
+    recorded = [t.get("training_data") for t in recipe.get("eval") or [] if isinstance(t, dict)]
+    known = next((uri for uri in recorded if uri), None)
+    if not known:
+        return tasks
+    try:
+        open_source(known, pm=registry.pm)
+    except ClipkitError:
+        return tasks  # the shards moved or another machine: evaluate without the checks
+    return [
+        {**t, "training_data": known}
+        if isinstance(t, dict) and t.get("name") in CHECKED_TASKS and "training_data" not in t
+        else t
+        for t in tasks
+    ]
+
+
 def evaluate_export(
     export_dir: Path,
     tasks: list[dict] | None,
@@ -236,6 +273,8 @@ def evaluate_export(
     if tasks is not None:
         check_tasks(tasks, registry)
     model, metadata = load_model(export_dir, registry, options=options)
+    if tasks is not None:
+        tasks = with_training_data(tasks, metadata.get("recipe") or {}, registry)
     tasks = tasks if tasks is not None else metadata["recipe"].get("eval") or []
     if not tasks:
         raise ClipkitError(f"{export_dir}: no eval tasks given and its recipe has no `eval:` section")

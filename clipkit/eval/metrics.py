@@ -60,7 +60,8 @@ def classification_scores(logits: torch.Tensor, labels: torch.Tensor) -> dict[st
 
 def class_baselines(labels: Sequence[int] | torch.Tensor, classnames: Sequence) -> dict[str, dict]:
     """The uniform-chance and majority-class baselines of each metric on ``labels`` (class indices
-    into ``classnames``); see the module docstring. ``majority`` also names its class."""
+    into ``classnames``); see the module docstring. ``majority`` also names its class, and every
+    class tied with it (``tied``) when several are the most frequent."""
     values = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
     num_classes, n = len(classnames), len(values)
     counts = Counter(values).most_common()
@@ -70,6 +71,9 @@ def class_baselines(labels: Sequence[int] | torch.Tensor, classnames: Sequence) 
         "mean_per_class_recall": 1 / len(counts),
         "class": str(classnames[counts[0][0]]),
     }
+    tied = [str(classnames[index]) for index, count in counts if count == counts[0][1]]
+    if len(tied) > 1:
+        majority["tied"] = tied
     if num_classes >= 5:
         chance["top5"] = 5 / num_classes
         majority["top5"] = sum(count for _, count in counts[:5]) / n
@@ -101,8 +105,10 @@ def baseline_note(result: dict, metric: str) -> str:
     parts = []
     for name, entry in baselines.items():
         if isinstance(entry, dict) and isinstance(entry.get(metric), (int, float)):
-            text = f"{BASELINE_NAMES.get(name, name)} {entry[metric]:.4f}"
-            if name == "majority" and metric == "top1" and entry.get("class") is not None:
+            text = f"{BASELINE_NAMES.get(name, name)} {fixed(entry[metric])}"
+            if name == "majority" and metric == "top1" and entry.get("tied"):
+                text += f" (a tie of {', '.join(repr(c) for c in entry['tied'])})"
+            elif name == "majority" and metric == "top1" and entry.get("class") is not None:
                 text += f" ({entry['class']!r})"
             parts.append(text)
     return ", ".join(parts)
@@ -115,9 +121,20 @@ def ratio_note(result: dict, metric: str) -> str:
     if strongest is None or strongest[1] <= 0 or not isinstance(result.get(metric), (int, float)):
         return ""
     name, value = strongest
-    ratio = result[metric] / value
-    return (
-        f"{ratio:.1f}× {BASELINE_NAMES.get(name, name)}"
-        if ratio >= 1
-        else f"{ratio:.2f}× {BASELINE_NAMES.get(name, name)}"
-    )
+    return f"{ratio_text(result[metric] / value)}× {BASELINE_NAMES.get(name, name)}"
+
+
+def ratio_text(ratio: float) -> str:
+    """A ratio to 3 significant digits (6.74, 38.4, 0.932): enough to recompute it from the
+    printed value and baseline."""
+    return f"{ratio:.3g}"
+
+
+def fixed(value: float) -> str:
+    """A score or baseline: 4 decimals, or 4 significant digits below 0.01 (1/819 is 0.001221, not
+    0.0012, so a ratio to it can be recomputed); 3 significant digits outside [1e-6, 1e5)."""
+    if value != 0 and not 1e-6 <= abs(value) < 1e5:
+        return f"{value:.3g}"
+    if value != 0 and abs(value) < 0.01:
+        return f"{value:.4g}"
+    return f"{value:.4f}"

@@ -90,10 +90,11 @@ def task_label(result: dict) -> str:
 
 
 def number(value: float) -> str:
-    """4 decimals, or 3 significant digits for values too small or large for that (λ = 1e-6)."""
-    if value != 0 and not 1e-3 <= abs(value) < 1e5:
-        return f"{value:.3g}"
-    return f"{value:.4f}"
+    """4 decimals, 4 significant digits below 0.01 (a chance of 1/819 is 0.001221), 3 for values
+    too small or large for that (λ = 1e-7): :func:`clipkit.eval.metrics.fixed`."""
+    from clipkit.eval.metrics import fixed
+
+    return fixed(value)
 
 
 def format_value(result: dict, key: str) -> str:
@@ -110,10 +111,15 @@ def format_value(result: dict, key: str) -> str:
         notes = [note for note in (ratio_note(result, key), baseline_note(result, key)) if note]
         return text + (f" ({'; '.join(notes)})" if notes else "")
     if key == "top1" and result.get("chance"):
-        text += f" ({value / result['chance']:.1f}× uniform chance)"
+        from clipkit.eval.metrics import ratio_text
+
+        text += f" ({ratio_text(value / result['chance'])}× uniform chance)"
     recall_chance = (result.get("chance_recall") or {}).get(key)  # retrieval: per-K chance, this gallery
     if isinstance(recall_chance, float):
-        text += f" (chance {number(recall_chance)})"
+        from clipkit.eval.metrics import ratio_text
+
+        ratio = f"{ratio_text(value / recall_chance)}× " if recall_chance > 0 else ""
+        text += f" ({ratio}chance {number(recall_chance)})"
     return text
 
 
@@ -141,8 +147,10 @@ def markdown_table(report: dict) -> str:
         for metric, value in metric_rows(result):
             lines.append(f"| {name} | {metric} | {value} |")
             name = ""
-        if result.get("warning"):
-            lines.append(f"| {name} | *warning* | {result['warning']} |")
+        from clipkit.eval.evaluate import result_warnings
+
+        for warning in result_warnings(result):
+            lines.append(f"| {name} | *warning* | {warning} |")
     summary = report.get("summary") or {}
     if summary:
         lines += ["", "| average | value |", "| --- | --- |"]

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from clipkit.app.own_data import recipe_holdout
 from clipkit.config.machine import apply as apply_machine_fit
 from clipkit.config.machine import fit_to_machine, launch_warning
 from clipkit.config.recipe import DataConfig, distributed_config, save_recipe, section
@@ -129,7 +130,7 @@ def build_stream(
         return build_slot(registry, "stream", data.stream, "data.stream", batch_size=batch_size, **place)
     streamed = is_streamed_data(data)  # read where it lives: nothing is written locally
     shards = shard_target(data) if streamed else ensure_shards_once(runtime, data, registry)
-    split = None if streamed else training_split(shards, data.holdout)
+    split = None if streamed else training_split(shards, recipe_holdout(data))
     if split is not None and data.holdout > 0:
         check_held_out(split, data.holdout, shards, announce=runtime.is_main)
     if split is not None and data.fit_batch:
@@ -147,7 +148,7 @@ def build_stream(
         resampled=data.resampled,
         views=2 if two_view and not batched else 1,  # batched: both views are made on the device
         meta_keys=dict(data.meta_keys),
-        holdout=data.holdout,  # clipkit train --data: the held-out split is evaluated, never trained on
+        holdout=recipe_holdout(data),  # train --data: the held-out split is evaluated, never trained on
         split=split,
         mixture=data.mixture,
         num_samples=data.num_samples,

@@ -45,6 +45,9 @@ class Retrieval:
     """data: a source URI or shard directory whose samples carry one or more captions.
 
     ks: the K of the reported Recall@K (default 1, 5, 10); feature_seeds: as ``zero_shot``.
+    training_data: the URI of the samples the model was trained on (``clipkit train --data`` sets
+    it): the result then says which fraction of the evaluated captions also occur in training
+    (``overlap``, with a warning; :mod:`clipkit.eval.data_checks`).
     """
 
     def __init__(
@@ -54,10 +57,12 @@ class Retrieval:
         feature_seeds: int | None = None,
         limit: int | None = None,
         batch_size: int = 256,
+        training_data: str | None = None,
     ) -> None:
         self.data, self.limit, self.batch_size = data, limit, batch_size
         self.ks = [int(k) for k in (ks or [1, 5, 10])]
         self.feature_seeds = feature_seeds
+        self.training_data = training_data
 
     def __call__(self, model, registry) -> dict:
         samples, _ = load_samples(self.data, self.limit, registry=registry)
@@ -76,8 +81,16 @@ class Retrieval:
             ties = retrieval_ties(logits, owner)  # shared: locating the positives is the costly part
             runs.append(recalls(logits, owner, self.ks, ties))
             curves.append(recall_curves(logits, owner, CURVE_MAX_K, ties))
+        checked = {}
+        if self.training_data:
+            from clipkit.eval.data_checks import overlap_checks, training_text
+
+            training = training_text(self.training_data, registry)
+            overlap, warnings = overlap_checks(self.data, samples, training)
+            checked = {"overlap": overlap, "warnings": warnings}
         return {
             "data": self.data,
+            **checked,
             "n_images": len(samples),
             "n_texts": len(texts),
             "n_distinct_texts": len(distinct_texts),

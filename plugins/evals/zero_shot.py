@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from clipkit.errors import DataError
+from clipkit.eval.data_checks import MIN_CLASS_SAMPLES
 from clipkit.eval.evaluate import (
     encode_images,
     encode_texts,
@@ -46,6 +47,11 @@ class ZeroShot:
                    for ``dataset``: "clip" (CLIP's per-dataset prompts), "clip80" / "clip7" (CLIP's
                    80 / 7 ImageNet templates), "slip" (SLIP's per-dataset templates), "clip_benchmark".
     feature_seeds: how many random-feature draws to average (default 5 for WPSE, 1 otherwise).
+    training_data: the URI of the samples the model was trained on (``clipkit train --data`` sets
+                   it): the result then names the class names that share no word with any training
+                   caption and the share of evaluated captions and labels also seen in training.
+    min_class_samples: classes with fewer evaluated samples are flagged with their count.
+    (Warnings and fields: :mod:`clipkit.eval.data_checks`.)
     """
 
     def __init__(
@@ -60,18 +66,24 @@ class ZeroShot:
         feature_seeds: int | None = None,
         limit: int | None = None,
         batch_size: int = 256,
+        training_data: str | None = None,
+        min_class_samples: int = MIN_CLASS_SAMPLES,
     ) -> None:
         self.data, self.label, self.limit, self.batch_size = data, label, limit, batch_size
         self.dataset, self.classnames, self.templates = dataset, classnames, templates
         self.feature_seeds = feature_seeds
         self.classnames_file, self.prompt_map = classnames_file, prompt_map
         self.from_values = False  # class names taken from the label's values (matched by value)
+        self.training_data, self.min_class_samples = training_data, int(min_class_samples)
+        if self.min_class_samples < 1:
+            raise ValueError(f"min_class_samples must be >= 1, got {min_class_samples}")
 
     def __call__(self, model, registry) -> dict:
         samples, info = load_samples(self.data, self.limit, registry=registry)
         classnames, templates = self.prompts(info, samples)
         labels = torch.tensor([self.class_index(s, classnames) for s in samples])
-        class_points = self.class_points(model, self.prompt_names(classnames), templates)
+        names = self.prompt_names(classnames)
+        class_points = self.class_points(model, names, templates)
         images = encode_images(model, samples, self.batch_size)
         seeds = feature_seeds(model, self.feature_seeds)
         runs = [
@@ -81,6 +93,7 @@ class ZeroShot:
             "data": self.data,
             "label": self.label,
             "dataset": self.dataset,
+            **self.checks(samples, classnames, names, labels, registry),
             "num_classes": len(classnames),
             "num_templates": len(templates),
             "n": len(samples),
@@ -89,6 +102,18 @@ class ZeroShot:
             "chance": 1 / len(classnames),
             "baselines": class_baselines(labels, classnames),
         }
+
+    def checks(self, samples, classnames, names, labels, registry) -> dict:
+        """The fields and ``warnings`` of :mod:`clipkit.eval.data_checks` for this task."""
+        from clipkit.eval.data_checks import overlap_checks, training_text, zero_shot_checks
+
+        training = training_text(self.training_data, registry) if self.training_data else None
+        minimum = self.min_class_samples
+        fields, warnings = zero_shot_checks(classnames, names, labels.tolist(), training, minimum)
+        if training is not None:
+            fields["overlap"], shared = overlap_checks(self.data, samples, training, self.label)
+            warnings = shared + warnings
+        return {**fields, "warnings": warnings}
 
     @staticmethod
     def score(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

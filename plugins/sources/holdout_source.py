@@ -1,6 +1,7 @@
-"""``holdout:DATA?fraction=F[&part=train]``: the held-out split of any data source (default part
-``holdout``; ``part=train`` gives the rest), by the rule of :func:`clipkit.app.own_data.is_held_out`
-(a hash of each sample's key). ``clipkit train --data`` evaluates on this split of the training
+"""``holdout:DATA?fraction=F[&by=COLUMN][&part=train]``: the held-out split of any data source
+(default part ``holdout``; ``part=train`` gives the rest), by the rule of
+:class:`clipkit.app.own_data.Holdout` (a hash of each sample's key, or of its ``by`` column's value:
+all rows of a group on one side). ``clipkit train --data`` evaluates on this split of the training
 data, whose training stream leaves the same samples out (``data.holdout``).
 """
 
@@ -31,15 +32,21 @@ def open_holdout_source(uri: str, options: dict[str, Any] | None = None):
     return HoldoutSource(open_inner(inner, options), inner, fraction, part)
 
 
-def parse_holdout_uri(uri: str) -> tuple[str, float, str]:
-    """``holdout:DATA?fraction=F&part=P`` -> (DATA, F, P); DataError naming the URI otherwise."""
-    from clipkit.app.own_data import HOLDOUT_SCHEME, check_fraction
+def holdout_by(uri: str) -> str | None:
+    """The ``by`` column of a ``holdout:`` URI, or None."""
+    return dict(parse_qsl(uri.rpartition("?")[2])).get("by") or None
+
+
+def parse_holdout_uri(uri: str):
+    """``holdout:DATA?fraction=F&by=C&part=P`` -> (DATA, :class:`~clipkit.app.own_data.Holdout` (F, C),
+    P); DataError naming the URI otherwise."""
+    from clipkit.app.own_data import HOLDOUT_SCHEME, Holdout, check_fraction
 
     inner, _, query = uri[len(HOLDOUT_SCHEME) :].rpartition("?")
     params = dict(parse_qsl(query))
-    unknown = set(params) - {"fraction", "part"}
+    unknown = set(params) - {"fraction", "part", "by"}
     if not inner or "fraction" not in params or unknown:
-        raise DataError(f"{uri}: expected holdout:DATA?fraction=F[&part=holdout|train]")
+        raise DataError(f"{uri}: expected holdout:DATA?fraction=F[&by=COLUMN][&part=holdout|train]")
     part = params.get("part", "holdout")
     if part not in PARTS:
         raise DataError(f"{uri}: part must be one of {', '.join(PARTS)}, got {part!r}")
@@ -47,7 +54,7 @@ def parse_holdout_uri(uri: str) -> tuple[str, float, str]:
         fraction = check_fraction(float(params["fraction"]), uri)
     except ValueError:
         raise DataError(f"{uri}: fraction {params['fraction']!r} is not a number") from None
-    return inner, fraction, part
+    return inner, Holdout(fraction, params.get("by")), part
 
 
 class HoldoutSource:
@@ -58,13 +65,13 @@ class HoldoutSource:
         self.values: dict[str, set] = {}
 
     def __iter__(self) -> Iterator[Sample]:
-        from clipkit.app.own_data import is_held_out
+        from clipkit.app.own_data import holdout_rule
 
-        wanted = self.part == "holdout"
+        wanted, rule = self.part == "holdout", holdout_rule(self.fraction)
         self.values = {}
         for sample in self.source:
             self.note_values(sample.meta)
-            if is_held_out(sample.key, self.fraction) == wanted:
+            if rule.holds(sample.key, sample.meta) == wanted:
                 yield sample
 
     def note_values(self, meta: dict[str, Any]) -> None:
@@ -80,6 +87,8 @@ class HoldoutSource:
     def info(self) -> dict[str, Any]:
         """The source's info, ``split`` and ``label_values`` (key -> every value seen, all parts)."""
         info = dict(self.source.info()) if hasattr(self.source, "info") else {}
-        info["split"] = {"part": self.part, "fraction": self.fraction, "of": self.data}
+        info["split"] = {"part": self.part, "fraction": float(self.fraction), "of": self.data}
+        if getattr(self.fraction, "by", None):
+            info["split"]["by"] = self.fraction.by
         info["label_values"] = {key: sorted(values, key=str) for key, values in self.values.items()}
         return info
