@@ -447,8 +447,21 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
     directory = Path(shards)
     opened = check_shards(shards, source, pm=pm)
     if opened is not None:
-        write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+        manifest = write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+        line = skipped_rows_line(manifest)
+        if line:  # what `clipkit shard` prints: no row is left out without a word
+            print(f"data: {line} (while sharding {source} into {directory})", flush=True)
     return directory
+
+
+def skipped_rows_line(manifest: dict) -> str:
+    """``skipped 3 bad row(s): missing_image 2, empty_caption 1`` from a manifest, or "" — the one
+    wording of `clipkit shard` and of sharding a source for `clipkit train`."""
+    skipped = (manifest.get("info") or {}).get("skipped") or {}
+    if not skipped:
+        return ""
+    reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
+    return f"skipped {sum(skipped.values())} bad row(s): {reasons}"
 
 
 def check_shards(shards: str, source: str, *, pm=None):
