@@ -121,9 +121,8 @@ def shard_split(
     :mod:`clipkit.own_data`). ``settings`` as :func:`shard`. Returns {part: manifest}."""
     from clipkit.data.shard import open_source
     from clipkit.data.shard_writer import write_shards
-    from clipkit.own_data import SplitPart, parse_split
-
     from clipkit.io import check_output_path
+    from clipkit.own_data import SplitPart, parse_split
 
     name, fraction = parse_split(split)
     check_output_path(Path(out), "shard directory")

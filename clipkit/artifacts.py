@@ -123,7 +123,9 @@ def read_safetensors(path: Path, what: str = "weights file", advice: str = "") -
     try:
         return load_file(str(path))
     except Exception as error:  # noqa: BLE001 - SafetensorError, OSError, MemoryError's kin, ValueError
-        raise ArtifactError(f"{path}: {what} is not a readable safetensors file ({one_line(error)}){tail}") from None
+        raise ArtifactError(
+            f"{path}: {what} is not a readable safetensors file ({one_line(error)}){tail}"
+        ) from None
 
 
 def safetensors_metadata(path: Path, what: str = "weights file") -> dict[str, str]:
@@ -134,7 +136,9 @@ def safetensors_metadata(path: Path, what: str = "weights file") -> dict[str, st
         with safe_open(str(path), framework="pt") as handle:
             return dict(handle.metadata() or {})
     except Exception as error:  # noqa: BLE001 - as read_safetensors
-        raise ArtifactError(f"{path}: {what} is not a readable safetensors file ({one_line(error)})") from None
+        raise ArtifactError(
+            f"{path}: {what} is not a readable safetensors file ({one_line(error)})"
+        ) from None
 
 
 def yaml_problem(error, column_offset: int = 0) -> str:

@@ -87,8 +87,11 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
         raise ValueError(f"{name} {message}")
 
 
-#: A URL inside free text (a message, a ``pipe:`` command): scheme://, then up to whitespace or a quote.
-URL_IN_TEXT = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"<>]*)")
+#: Schemes of network locations, whose query values may be signatures or session tokens (clipkit's
+#: own source URIs — ``synthetic://shapes?n=8`` — carry settings, shown as they are).
+NETWORK_SCHEMES = "https?|s3a?|gs|gcs|az|abfss?|hf|ftps?|sftp|webhdfs|wss?"
+#: A network URL inside free text (a message, a ``pipe:`` command): up to whitespace or a quote.
+URL_IN_TEXT = re.compile(rf"\b((?:{NETWORK_SCHEMES})://)([^\s'\"<>]*)", re.IGNORECASE)
 
 
 def redact_text(text: str) -> str:

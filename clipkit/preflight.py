@@ -58,7 +58,9 @@ def first_sample_columns(data: str, task: dict, registry) -> list[str]:
         source = open_source(data, pm=registry.pm)
         sample = next(iter(source), None)
     except ClipkitError as error:
-        raise DataError(f"eval task {task.get('name')}: cannot read {data} ({error}); checked before training") from None
+        raise DataError(
+            f"eval task {task.get('name')}: cannot read {data} ({error}); checked before training"
+        ) from None
     if sample is None:
         raise DataError(f"eval task {task.get('name')}: {data} holds no sample; checked before training")
     return sorted(key for key in sample.meta if key != "index")

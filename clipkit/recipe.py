@@ -638,7 +638,9 @@ def _unusable_numbers(node: Any, path: str = "") -> list[str]:
     else:
         problem = number_problem(node)
         return [f"{path}: {problem}"] if problem else []
-    return [e for key, value in items for e in _unusable_numbers(value, f"{path}.{key}" if path else str(key))]
+    return [
+        e for key, value in items for e in _unusable_numbers(value, f"{path}.{key}" if path else str(key))
+    ]
 
 
 def _check_locations(data: Any) -> list[str]:

@@ -347,7 +347,10 @@ def write_wds(root: Path, labels: list[int], classnames: list[str] | None) -> Pa
     test.mkdir(parents=True)
     with tarfile.open(test / "0.tar", "w") as tar:
         for i, label in enumerate(labels):
-            for name, data in ((f"s{i:04d}.png", png_bytes((40 * label, 0, 0))), (f"s{i:04d}.cls", str(label).encode())):
+            for name, data in (
+                (f"s{i:04d}.png", png_bytes((40 * label, 0, 0))),
+                (f"s{i:04d}.cls", str(label).encode()),
+            ):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 import io
@@ -409,7 +412,9 @@ def test_train_data_prints_the_skip_counts_shard_prints(app, in_tmp):
 )
 def test_checks_that_need_only_the_data_run_before_training(app, in_tmp, extra, says):
     table = write_table_with_missing_images(in_tmp, missing=0)
-    result = invoke(app, "train", "quickstart@smoke", "--data", table, *TRAIN_FAST, *extra, "--run-dir", "run")
+    result = invoke(
+        app, "train", "quickstart@smoke", "--data", table, *TRAIN_FAST, *extra, "--run-dir", "run"
+    )
     assert_refused(result, says)
     assert not (in_tmp / "run").exists()
 
@@ -440,9 +445,12 @@ def test_query_values_are_redacted_in_every_message(app, shards, server, in_tmp)
                     "data.retries=0", "--run-dir", in_tmp / "run")  # fmt: skip
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "hunter2" not in result.output and "session=***" in result.output
-    failing = invoke(app, "train", TINY, f"data.shards=pipe:cat /no/such.tar?{secret}", "data.num_samples=32",
-                     "data.on_error=raise", "--run-dir", in_tmp / "run2")  # fmt: skip
-    assert failing.exit_code == 2 and "hunter2" not in failing.output
+    # a pipe: command naming a signed URL, failing: the command and its stderr are redacted
+    command = f"pipe:cat /no/such.tar 'http://127.0.0.1:1/x.tar?{secret}'"
+    failing = invoke(app, "train", TINY, f"data.shards={command}", "data.num_samples=64", "data.on_error=raise",
+                     "--run-dir", in_tmp / "run2")  # fmt: skip
+    assert failing.exit_code == 2 and "Traceback" not in failing.output and "exit status 1" in failing.output
+    assert "hunter2" not in failing.output and "session=***" in failing.output
 
 
 # ============================================================================ writers
@@ -500,14 +508,26 @@ def safetensors_with_header(header: dict | bytes, data: bytes = b"") -> bytes:
         pytest.param(b"", id="empty"),
         pytest.param(b'{"model_cfg": {}}', id="json-renamed"),
         pytest.param((1 << 60).to_bytes(8, "little") + b"{}", id="absurd-header-length"),
-        pytest.param(safetensors_with_header({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}},
-                                             b"\0" * 8), id="unknown-dtype"),  # fmt: skip
-        pytest.param(safetensors_with_header({"w": {"dtype": "F32", "shape": [1 << 40, 1 << 40],
-                                                    "data_offsets": [0, 8]}}, b"\0" * 8), id="absurd-shape"),  # fmt: skip
-        pytest.param(safetensors_with_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                                             b"\0" * 8), id="truncated"),  # fmt: skip
-        pytest.param(safetensors_with_header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
-                                             b"\0" * 8), id="foreign-tensors"),  # fmt: skip
+        pytest.param(
+            safetensors_with_header({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
+            id="unknown-dtype",
+        ),  # fmt: skip
+        pytest.param(
+            safetensors_with_header(
+                {"w": {"dtype": "F32", "shape": [1 << 40, 1 << 40], "data_offsets": [0, 8]}}, b"\0" * 8
+            ),
+            id="absurd-shape",
+        ),  # fmt: skip
+        pytest.param(
+            safetensors_with_header(
+                {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8
+            ),
+            id="truncated",
+        ),  # fmt: skip
+        pytest.param(
+            safetensors_with_header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
+            id="foreign-tensors",
+        ),  # fmt: skip
     ],
 )
 def test_convert_on_damaged_or_foreign_safetensors_is_one_line(app, tmp_path, content):

@@ -331,7 +331,9 @@ class HttpReader(io.RawIOBase):
                 count = self.response.readinto(buffer)
             except (OSError, ValueError, http.client.HTTPException) as error:  # reset, IncompleteRead
                 self.response.close()
-                detail = f"read failed at byte {self.offset}: {type(error).__name__}: {redact_text(str(error))}"
+                detail = (
+                    f"read failed at byte {self.offset}: {type(error).__name__}: {redact_text(str(error))}"
+                )
                 self.wait(timeout_or_unreachable(error), detail)
                 self.response = self.connect()
                 continue
@@ -371,7 +373,9 @@ class CredentialSafeRedirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         target = urllib.parse.urljoin(req.full_url, newurl)
         if scheme_of(target) not in HTTP_SCHEMES:
-            raise ShardUnavailable(req.full_url, "unreachable", f"redirect to a non-http(s) URL refused: {redact(target)}")
+            raise ShardUnavailable(
+                req.full_url, "unreachable", f"redirect to a non-http(s) URL refused: {redact(target)}"
+            )
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         if new is not None:
             same_host = urlsplit(target).netloc.lower() == urlsplit(req.full_url).netloc.lower()

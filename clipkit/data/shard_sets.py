@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from clipkit.constraints import MAX_INTEGER
 from clipkit.data.remote import (
     FSSPEC_PACKAGES,
     Patience,
@@ -36,7 +37,6 @@ from clipkit.data.remote import (
     redact,
     scheme_of,
 )
-from clipkit.constraints import MAX_INTEGER
 from clipkit.errors import DataError
 
 MANIFEST, SIZES = "manifest.json", "sizes.json"
@@ -180,6 +180,12 @@ def resolve_directory(path: Path) -> ShardSet:
     return ShardSet(str(path), tuple(tars), shard_counts(tars, str(path), Patience()))
 
 
+def shard_name(url: str) -> str:
+    """The file name of a shard URL, without its query (``shard-0.tar?sig=...`` -> ``shard-0.tar``)."""
+    path = url.split("?", 1)[0].split("#", 1)[0] if scheme_of(url) not in ("", "pipe") else url
+    return path.rsplit("/", 1)[-1]
+
+
 def parent_of(url: str) -> str:
     return url.rsplit("/", 1)[0] if "/" in url else "."
 
@@ -199,7 +205,7 @@ def shard_counts(urls: list[str], spec: str, patience: Patience) -> tuple[int, .
         if body is None:
             continue
         sizes = parse_sizes(body, name, f"{redact(parent)}/{name}")
-        names = [url.rsplit("/", 1)[-1] for url in urls]
+        names = [shard_name(url) for url in urls]
         unlisted = [n for n in names if n not in sizes]
         if unlisted:
             raise DataError(
@@ -275,7 +281,8 @@ def parse_mixture(mixture) -> list[MixtureEntry]:
             isinstance(weight, bool)
             or not isinstance(weight, (int, float))
             or not 0 < weight < math.inf
-            or isinstance(weight, int) and weight > MAX_INTEGER
+            or isinstance(weight, int)
+            and weight > MAX_INTEGER
         ):
             raise DataError(f"data.mixture[{i}].weight must be a positive finite number, got {weight!r}")
         count = item.get("num_samples", 0)
@@ -287,11 +294,11 @@ def parse_mixture(mixture) -> list[MixtureEntry]:
 
 def relative_weights(entries: list[MixtureEntry]) -> list[MixtureEntry]:
     """``entries``; when their weights' sum overflows, divided by the largest: the same draw, and
-    a sum that cannot overflow (``1e308*A :: 1e308*B`` is an even mixture, not inf/inf); a weight too small to
-    count beside the others is refused, naming it."""
+    a sum that cannot overflow (``1e308*A :: 1e308*B`` is an even mixture, not inf/inf); a
+    weight too small to count beside the others is refused, naming it."""
     import dataclasses
 
-    if math.isfinite(math.fsum(entry.weight for entry in entries)):
+    if math.isfinite(sum(entry.weight for entry in entries)):  # as random.choices adds them
         return entries  # as given: a resumed run draws exactly as before
     largest = max(entry.weight for entry in entries)
     scaled = [dataclasses.replace(entry, weight=entry.weight / largest) for entry in entries]

@@ -8,6 +8,7 @@ fields. A shard that cannot be opened, breaks off, or is not a valid tar raises
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import tarfile
@@ -55,10 +56,8 @@ def tar_records(url: str, patience: Patience = Patience()) -> Iterator[dict[str,
     except TRANSPORT_ERRORS as error:
         raise transport_fault(url, error) from error
     finally:
-        try:
+        with contextlib.suppress(*TRANSPORT_ERRORS):  # failing to close must not hide what happened
             stream.close()
-        except TRANSPORT_ERRORS:  # a reader failing to close must not hide what happened
-            pass
 
 
 def drain(stream) -> None:

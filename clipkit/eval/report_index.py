@@ -130,7 +130,7 @@ def weights_sha256(source: Path) -> str | None:
     metadata = source / "clipkit.json"
     if metadata.is_file():
         with contextlib.suppress(ClipkitError):
-            recorded = (read_json(metadata, "the export's metadata", expect=dict).get("files") or {})
+            recorded = read_json(metadata, "the export's metadata", expect=dict).get("files") or {}
             entry = recorded.get("model.safetensors") if isinstance(recorded, dict) else None
             if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
                 return entry["sha256"]

@@ -297,7 +297,9 @@ def check_data_location(recipe: dict, registry: Registry) -> None:
     patience = Patience(timeout=data.timeout, retries=data.retries)
     if data.mixture is not None:
         for i, entry in enumerate(parse_mixture(data.mixture)):
-            resolve_entry(i, entry.shards, patience)  # a DataError naming the entry, before anything is written
+            resolve_entry(
+                i, entry.shards, patience
+            )  # a DataError naming the entry, before anything is written
     elif is_streamed_data(data):
         resolve(data.shards, patience)
     else:
