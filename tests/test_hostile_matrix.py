@@ -185,6 +185,13 @@ def test_validate_refuses_numbers_and_urls_training_would_crash_on(app, in_tmp, 
     assert list(in_tmp.iterdir()) == []
 
 
+def test_an_empty_mixture_source_is_named_as_the_mixture_entry(app, in_tmp, shards):
+    (in_tmp / "empty").mkdir()
+    result = invoke(app, "validate", TINY, f"data.mixture='1*{shards} :: 1*{in_tmp / 'empty'}'")
+    assert_refused(result, "data.mixture[1].shards", "empty")
+    assert "data.shards" not in result.output
+
+
 def test_huge_mixture_weights_are_an_even_mixture_not_inf_over_inf():
     entries = parse_mixture("1e308*a.tar :: 1e308*b.tar")
     assert [entry.weight for entry in entries] == [1.0, 1.0]
@@ -314,6 +321,29 @@ def test_a_report_is_filed_only_with_the_weights_it_scored(export, registry, mon
         api.evaluate(export, [{"name": "retrieval", "data": EVAL_DATA}], registry=registry, output=output,
                      plots=False)  # fmt: skip
     assert own_reports(export) == [] and read_index(export) == []
+
+
+def test_a_report_an_earlier_index_write_missed_is_added_back(tmp_path, monkeypatch):
+    """A full disk when the index was written leaves the report standing but unlisted; the next
+    evaluation's index lists it again (nothing lost)."""
+    import clipkit.eval.report_index as index_module
+    from clipkit.io import DiskFullError
+
+    first = tmp_path / "eval-first.json"
+    first.write_text(json.dumps({"results": [{"name": "retrieval", "mean_recall": 0.5}]}))
+
+    def full(path, text):
+        raise DiskFullError(f"{path}: no space left on the device")
+
+    monkeypatch.setattr(index_module, "atomic_write_text", full)
+    with pytest.raises(DiskFullError):
+        record_report(tmp_path, first, {"results": []})
+    monkeypatch.undo()
+    second = tmp_path / "eval-second.json"
+    second.write_text(json.dumps({"results": []}))
+    record_report(tmp_path, second, {"results": []})
+    assert [entry["report"] for entry in read_index(tmp_path)] == ["eval-first.json", "eval-second.json"]
+    assert read_index(tmp_path)[0]["tasks"] == ["retrieval"]
 
 
 def test_report_names_carry_the_task_data_and_label():
@@ -447,8 +477,8 @@ def test_query_values_are_redacted_in_every_message(app, shards, server, in_tmp)
     assert "hunter2" not in result.output and "session=***" in result.output
     # a pipe: command naming a signed URL, failing: the command and its stderr are redacted
     command = f"pipe:cat /no/such.tar 'http://127.0.0.1:1/x.tar?{secret}'"
-    failing = invoke(app, "train", TINY, f"data.shards={command}", "data.num_samples=64", "data.on_error=raise",
-                     "--run-dir", in_tmp / "run2")  # fmt: skip
+    settings = [f"data.shards={command}", "data.num_samples=64", "data.on_error=raise"]
+    failing = invoke(app, "train", TINY, *settings, "--run-dir", in_tmp / "run2")
     assert failing.exit_code == 2 and "Traceback" not in failing.output and "exit status 1" in failing.output
     assert "hunter2" not in failing.output and "session=***" in failing.output
 
