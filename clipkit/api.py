@@ -173,6 +173,9 @@ def train(
 
     if resume and own_data is not None:
         raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
+    epochs = getattr(own_data, "epochs", None)
+    if epochs is not None and not 0 < epochs < float("inf"):  # nan fails both comparisons
+        raise ClipkitError(f"--epochs must be a positive finite number of passes, got {epochs}")
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return _train(
             spec, overrides, run_dir=run_dir, resume=resume, registry=registry, progress=progress,

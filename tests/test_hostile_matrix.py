@@ -204,6 +204,12 @@ def test_train_refuses_infinite_epochs_before_anything(app, in_tmp):
     assert list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("override", ["model.image_size=1000000000", "model.embed_dim=100000000000"])
+def test_sizes_no_memory_holds_are_one_line_naming_the_slot(app, in_tmp, override):
+    result = invoke(app, "train", TINY, override, "train.steps=1", "data.num_workers=0", "--run-dir", "run")
+    assert_refused(result, "cannot be built", override.partition("=")[0].split(".")[1])
+
+
 # ============================================================================ reports
 
 
