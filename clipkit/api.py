@@ -410,7 +410,7 @@ def evaluate(
     from clipkit.io import check_output_path
 
     if output is not None:
-        check_output_path(Path(output), "eval report")  # before the long work, not after it
+        check_output_path(Path(output), "eval report", file=True)  # before the long work, not after it
     scored = weights_sha256(Path(export_dir)) if Path(export_dir).exists() else None
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}
@@ -472,10 +472,12 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
     from clipkit.eval.report import plot_loss_curves, write_comparison
     from clipkit.eval.report_index import read_eval_report, read_eval_reports
+    from clipkit.io import check_output_path
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
     out = Path(out)
+    check_output_path(out, "report folder")
     # A baseline evaluated without training (`clipkit eval` on an open_clip/HF directory) has an
     # eval.json but no metrics.jsonl: it joins the eval table, not the loss curves.
     curves = {

@@ -500,9 +500,12 @@ def test_an_output_under_a_file_is_one_line_naming_it(app, in_tmp, export):
         ["convert", export, blocker / "sub"],
         ["eval", *eval_args(export, "--output", blocker / "sub" / "r.json")[1:]],
         ["train", "quickstart@smoke", "train.steps=1", "--run-dir", blocker / "run"],
+        ["export", in_tmp, blocker / "sub"],
+        ["report", export, "--out", blocker / "sub"],
     ):
         assert_refused(invoke(app, *args), str(blocker))
     assert blocker.read_text() == "mine\n"
+    assert_refused(invoke(app, *eval_args(export, "--output", in_tmp)), "is a directory")
 
 
 @pytest.fixture
