@@ -44,6 +44,8 @@ def tar_records(url: str, patience: Patience = Patience()) -> Iterator[dict[str,
         if isinstance(raw, io.BufferedIOBase) or hasattr(raw, "fs")
         else io.BufferedReader(raw, READ_BUFFER)
     )
+    # fsspec backends raise their own types mid-read (botocore, aiohttp): all are transport faults.
+    faults = (Exception,) if hasattr(raw, "fs") else TRANSPORT_ERRORS
     try:
         yield from group_members(url, stream)
         drain(stream)
@@ -53,7 +55,7 @@ def tar_records(url: str, patience: Patience = Patience()) -> Iterator[dict[str,
         raise ShardUnavailable(
             url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})"
         ) from error
-    except TRANSPORT_ERRORS as error:
+    except faults as error:
         raise transport_fault(url, error) from error
     finally:
         with contextlib.suppress(*TRANSPORT_ERRORS):  # failing to close must not hide what happened
