@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -84,3 +85,27 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     message = choice_error(value, choices)
     if message:
         raise ValueError(f"{name} {message}")
+
+
+#: Schemes of network locations, whose query values may be signatures or session tokens (clipkit's
+#: own source URIs — ``synthetic://shapes?n=8`` — carry settings, shown as they are).
+NETWORK_SCHEMES = "https?|s3a?|gs|gcs|az|abfss?|hf|ftps?|sftp|webhdfs|wss?"
+#: A network URL inside free text (a message, a ``pipe:`` command): up to whitespace or a quote.
+URL_IN_TEXT = re.compile(rf"\b((?:{NETWORK_SCHEMES})://)([^\s'\"<>]*)", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it made safe to print: user info dropped, query values hidden
+    (``?session=***``). The CLI's error boundary passes every message through it."""
+
+    def hide(match: re.Match) -> str:
+        scheme, rest = match.group(1), match.group(2)
+        rest, hash_, fragment = rest.partition("#")
+        address, question, query = rest.partition("?")
+        host, slash, path = address.partition("/")
+        host = host.rpartition("@")[2]
+        if question:
+            query = "&".join(f"{item.partition('=')[0]}=***" if item else "" for item in query.split("&"))
+        return f"{scheme}{host}{slash}{path}{question}{query}{hash_}{fragment}"
+
+    return URL_IN_TEXT.sub(hide, text)

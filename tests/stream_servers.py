@@ -19,14 +19,17 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
     """Serves ``server.root``; paths under ``/stall/`` send headers then nothing until
     ``server.release`` is set, under ``/flaky/`` answer 500 to each file's first request, under
     ``/cut/`` send each body's first half and close (Content-Length says the whole); supports
-    ``Range`` for ``/cut/`` resumption."""
+    ``Range`` for ``/cut/`` resumption. ``/chunked-cut/`` breaks a chunked body off mid-chunk,
+    ``/bad-status/`` answers a malformed status line, ``/redirect/REST`` answers 302 to
+    ``server.redirect_to``/REST. Every request's ``Authorization`` header is recorded in
+    ``server.authorizations``."""
 
     def log_message(self, *args) -> None:  # quiet test output
         pass
 
     def translate_path(self, path: str) -> str:
         path = path.split("?", 1)[0]
-        for prefix in ("/stall/", "/flaky/", "/cut/"):
+        for prefix in ("/stall/", "/flaky/", "/cut/", "/chunked-cut/", "/bad-status/", "/redirect/"):
             if path.startswith(prefix):
                 path = "/" + path[len(prefix) :]
         return str(Path(self.server.root) / path.lstrip("/"))
@@ -34,7 +37,28 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         server = self.server
         server.requests.append(self.path)
+        server.authorizations.append((self.path, self.headers.get("Authorization")))
         target = Path(self.translate_path(self.path))
+        if self.path.startswith("/chunked-cut/") and target.is_file():
+            # Transfer-Encoding: chunked, broken off inside a chunk: http.client's IncompleteRead.
+            body = target.read_bytes()
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(f"{len(body):x}\r\n".encode() + body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        if self.path.startswith("/bad-status/"):  # a malformed status line: http.client's BadStatusLine
+            self.wfile.write(b"HTTP/1.1 OK-ish\r\n\r\n")
+            self.close_connection = True
+            return
+        if self.path.startswith("/redirect/"):  # to server.redirect_to + the rest of the path
+            self.send_response(302)
+            self.send_header("Location", server.redirect_to + "/" + self.path[len("/redirect/") :])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path.startswith("/flaky/") and self.path not in server.failed_once:
             server.failed_once.add(self.path)
             self.send_error(500, "try again")
@@ -74,6 +98,7 @@ def http_server(root: Path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ShardHandler)
     server.daemon_threads = True
     server.root, server.requests, server.failed_once = str(root), [], set()
+    server.authorizations, server.redirect_to = [], ""
     server.release = threading.Event()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -8,6 +8,7 @@ Usable from Python too::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -88,6 +89,9 @@ def shard(
     # interrupted `clipkit shard` may be resumed with other values (e.g. a longer timeout).
     resume_may_change = {"workers", *Downloader.PATIENCE_OPTIONS}
 
+    from clipkit.artifacts.io import check_output_path
+
+    check_output_path(Path(out), "shard directory")  # before the source is read
     registry = registry or default_registry()
     opened = open_source(source, options, pm=registry.pm)
     return write_shards(
@@ -116,10 +120,12 @@ def shard_split(
     inside the held-out split of ``source`` (the rule of ``clipkit train --data --holdout``, see
     :mod:`clipkit.app.own_data`). ``settings`` as :func:`shard`. Returns {part: manifest}."""
     from clipkit.app.own_data import SplitPart, parse_split
+    from clipkit.artifacts.io import check_output_path
     from clipkit.data.shard import open_source
     from clipkit.data.shard_writer import write_shards
 
     name, fraction = parse_split(split)
+    check_output_path(Path(out), "shard directory")
     registry = registry or default_registry()
     manifests = {}
     for part, held_out in (("train", False), (name, True)):
@@ -167,6 +173,9 @@ def train(
 
     if resume and own_data is not None:
         raise ClipkitError("--data/--eval-data/--label start a new run; a resumed run keeps its data")
+    epochs = getattr(own_data, "epochs", None)
+    if epochs is not None and not 0 < epochs < float("inf"):  # nan fails both comparisons
+        raise ClipkitError(f"--epochs must be a positive finite number of passes, got {epochs}")
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return _train(
             spec, overrides, run_dir=run_dir, resume=resume, registry=registry, progress=progress,
@@ -199,7 +208,14 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
             if launched_as_main():
                 print(line, flush=True)
         check_data(recipe, registry)  # before the run directory exists, as `clipkit validate` does
+        if own_data is not None and launched_as_main():
+            from clipkit.app.preflight import check_eval_data
+
+            check_eval_data(list(recipe.get("eval") or []), recipe, registry)  # label, --eval-data: now
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
+    from clipkit.artifacts.io import check_output_path
+
+    check_output_path(Path(run_dir), "run directory")  # a file in the way, a read-only disk: now
     with run_directory_lock(run_dir, enabled=launched_as_main()):
         if section(recipe, "train").export and launched_as_main():
             # Refused now, not after training: an export folder holding files clipkit did not write.
@@ -318,7 +334,9 @@ def export(
     (never the run itself or its checkpoints)."""
     from clipkit.artifacts.export import export_run
     from clipkit.artifacts.integrity import loading
+    from clipkit.artifacts.io import check_output_path
 
+    check_output_path(Path(out), "export")  # before the checkpoint is read
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return export_run(
             Path(run_dir), Path(out), registry or default_registry(), checkpoint, overwrite=overwrite
@@ -348,6 +366,9 @@ def convert(
     new, empty or an earlier output of the same layout (``overwrite``: whatever it holds), and is
     never ``source`` or a folder holding it.
     """
+    from clipkit.artifacts.io import check_output_path
+
+    check_output_path(Path(out), "convert output")  # before the source is read
     registry = registry or default_registry()
     options = {"quick_gelu": quick_gelu, "overwrite": overwrite}
     written = registry.pm.hook.convert_model(
@@ -383,9 +404,14 @@ def evaluate(
     list a suite's tasks whose data is not here instead of refusing (:mod:`clipkit.eval.suite`).
     """
     from clipkit.artifacts.integrity import loading
+    from clipkit.artifacts.io import check_output_path
     from clipkit.eval.evaluate import evaluate_export
-    from clipkit.eval.report import summarize, write_eval_report
+    from clipkit.eval.report import summarize
+    from clipkit.eval.report_index import weights_sha256
 
+    if output is not None:
+        check_output_path(Path(output), "eval report", file=True)  # before the long work, not after it
+    scored = weights_sha256(Path(export_dir)) if Path(export_dir).exists() else None
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}
         report = evaluate_export(
@@ -396,19 +422,47 @@ def evaluate(
             skip_missing=skip_missing,
         )
     report["summary"] = summarize(report["results"])
+    if scored is not None:
+        report["weights_sha256"] = scored  # what was scored: a report is filed only with these weights
     if notes:
         report["notes"] = list(notes)
     if output is not None:
-        from clipkit.eval.report_index import record_report
+        file_report(Path(export_dir), Path(output), report, scored, plots=plots)
+    return report
 
-        write_eval_report(report, Path(output), plots=plots)
+
+def file_report(export_dir: Path, output: Path, report: dict, scored: str | None, *, plots: bool) -> None:
+    """Write the report and list it in the export's index, under the index lock, only while the
+    export still holds the weights that were scored (:func:`~clipkit.eval.report_index.check_same_weights`).
+    An index that cannot be written (a read-only baseline folder, a full disk) leaves the report
+    standing, with a warning; the next evaluation adds it to the index."""
+    from clipkit.eval.report import write_eval_report
+    from clipkit.eval.report_index import (
+        check_same_weights,
+        index_lock,
+        record_report,
+        release_claim,
+        report_home,
+    )
+
+    home = report_home(export_dir)
+    inside = home.resolve() in output.resolve().parents
+    with index_lock(home) if home.is_dir() else contextlib.nullcontext():
         try:
-            record_report(Path(export_dir), Path(output), report)  # EXPORT/eval-index.json lists it
+            check_same_weights(export_dir, scored, output if inside else None)
+        except ClipkitError:
+            if inside:
+                release_claim(output)
+                raise
+            write_eval_report(report, output, plots=plots)  # written where asked, never indexed
+            raise
+        write_eval_report(report, output, plots=plots)
+        try:
+            record_report(export_dir, output, report, locked=True)  # EXPORT/eval-index.json lists it
         except (OSError, ClipkitError) as error:  # a read-only baseline folder: the report stands
             logging.getLogger("clipkit.eval").warning(
                 "the report index beside %s was not updated: %s", export_dir, error
             )
-    return report
 
 
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
@@ -416,12 +470,14 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     (``eval.json``, else the newest in ``eval-index.json``), every eval result side by side
     (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
     baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
+    from clipkit.artifacts.io import check_output_path
     from clipkit.eval.report import plot_loss_curves, write_comparison
     from clipkit.eval.report_index import read_eval_report, read_eval_reports
 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
     out = Path(out)
+    check_output_path(out, "report folder")
     # A baseline evaluated without training (`clipkit eval` on an open_clip/HF directory) has an
     # eval.json but no metrics.jsonl: it joins the eval table, not the loss curves.
     curves = {

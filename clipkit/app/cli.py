@@ -158,10 +158,10 @@ def shard_command(
             overwrite=overwrite,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
-    skipped = (manifest.get("info") or {}).get("skipped") or {}
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
-        typer.echo(f"skipped {sum(skipped.values())} bad row(s): {reasons}")
+    from clipkit.data.shard_writer import skipped_rows_line
+
+    if skipped_rows_line(manifest):
+        typer.echo(skipped_rows_line(manifest))
     print_image_counts(manifest)
 
 
@@ -242,6 +242,8 @@ def train_command(
     from clipkit.app import api
     from clipkit.train.runtime import launched_as_main
 
+    if epochs is not None and not 0 < epochs < float("inf"):  # nan fails both comparisons
+        raise ClipkitError(f"--epochs must be a positive finite number of passes, got {epochs}")
     own_data = None
     if data is not None or eval_data or label is not None or holdout_by is not None:
         if resume:
@@ -410,19 +412,28 @@ def eval_command(
 def evaluate_one(export_dir: Path, tasks, output, *, plots, no_verify, quick_gelu, skip_missing) -> None:
     """Evaluate one export, print its table and write its report (``clipkit eval``)."""
     from clipkit.app import api
-    from clipkit.eval.report_index import next_report_path
+    from clipkit.artifacts.io import check_output_path
+    from clipkit.eval.report_index import next_report_path, release_claim, report_home
 
-    output = output or next_report_path(export_dir, tasks)
-    report = api.evaluate(
-        export_dir,
-        tasks,
-        registry=registry(),
-        output=output,
-        plots=plots,
-        verify=not no_verify,
-        quick_gelu=quick_gelu,
-        skip_missing=skip_missing,
-    )
+    claimed = output is None and Path(export_dir).exists()  # a missing export is named by evaluate
+    if claimed:
+        check_output_path(report_home(export_dir) / "eval.json", "eval report")
+        output = next_report_path(export_dir, tasks)  # created exclusively: no other eval gets the name
+    try:
+        report = api.evaluate(
+            export_dir,
+            tasks,
+            registry=registry(),
+            output=output,
+            plots=plots,
+            verify=not no_verify,
+            quick_gelu=quick_gelu,
+            skip_missing=skip_missing,
+        )
+    except BaseException:
+        if claimed:
+            release_claim(output)  # no report written: the claimed name goes
+        raise
     print_evals(report["results"], report.get("summary"))
     from clipkit.eval.suite import skipped_summary
 

@@ -13,7 +13,7 @@ import traceback
 
 import typer
 
-from clipkit.errors import ClipkitError
+from clipkit.errors import ClipkitError, redact_text
 
 #: ``clipkit --debug`` (or CLIPKIT_DEBUG=1): user-facing errors also print their traceback.
 DEBUG = {"on": False}
@@ -34,7 +34,7 @@ def fails_cleanly(command):
         except ClipkitError as error:
             if debugging():
                 traceback.print_exception(error, file=sys.stderr)
-            typer.secho(f"error: {error}", fg="red", err=True)
+            typer.secho(f"error: {redact_text(str(error))}", fg="red", err=True)  # no URL secret shown
             # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
             raise typer.Exit(getattr(error, "exit_code", 2)) from None
 

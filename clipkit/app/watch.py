@@ -63,7 +63,7 @@ def configure_logging(level: str = "info") -> None:
     if level.lower() not in LOG_LEVELS:
         raise ClipkitError(f"--log-level {level!r}: use one of {', '.join(LOG_LEVELS)}")
     handler = StderrHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "clipkit", False)]:
         root.removeHandler(old)  # configured twice in one process (tests): one handler only
@@ -75,6 +75,15 @@ def configure_logging(level: str = "info") -> None:
     root.setLevel(max(number, logging.WARNING))
     logging.getLogger("clipkit").setLevel(number)
     logging.captureWarnings(True)
+
+
+class RedactingFormatter(logging.Formatter):
+    """Log lines with every URL's query values and user info hidden (signed URLs carry tokens)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from clipkit.errors import redact_text
+
+        return redact_text(super().format(record))
 
 
 class StderrHandler(logging.StreamHandler):

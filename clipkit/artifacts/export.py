@@ -54,7 +54,8 @@ EXPORT_OUTPUT = OutputKind(
         "eval-*.png",
         "eval-*.json",
         "eval-*.md",
-    ),  # eval-*: `clipkit eval`'s reports and their eval-index.json
+        "eval-index.lock",
+    ),  # eval-*: `clipkit eval`'s reports, their eval-index.json and its lock
     marker=METADATA,
 )
 MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")

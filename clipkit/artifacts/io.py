@@ -328,6 +328,51 @@ def claim_output_directory(
         )
 
 
+def check_output_path(path: Path | str, what: str = "output", *, file: bool = False) -> None:
+    """The one check of an output path before any work starts: every existing part of ``path``
+    above it is a directory, and the directory it will be created in (or ``path`` itself, when it
+    is an existing directory) accepts a new file. A ClipkitError naming the path otherwise — a file
+    where a folder is needed (``file.txt/sub``), a read-only folder or file system; with ``file``,
+    a directory where the file is to be written."""
+    path = Path(path)
+    if file and path.is_dir():
+        raise ClipkitError(f"{what} {path} is a directory; name a file to write")
+    probe = path if path.is_dir() else path.parent
+    missing = []
+    while not probe.exists():
+        if probe.is_symlink():
+            raise ClipkitError(f"{what} {path}: {probe} is a broken symbolic link; pick another path")
+        missing.append(probe)
+        if probe == probe.parent:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ClipkitError(
+            f"{what} {path}: {probe} is a file, not a directory, so nothing can be written under it; "
+            "pick another path"
+        )
+    if path.exists() and not path.is_dir() and not os.access(path, os.W_OK):
+        raise ClipkitError(f"{what} {path}: the file is read-only; pick another path")
+    problem = not_writable(probe)
+    if problem:
+        raise ClipkitError(f"{what} {path}: cannot write in {probe} ({problem}); pick another path")
+
+
+def not_writable(directory: Path) -> str | None:
+    """Why a new file cannot be created in ``directory`` (read-only file system, no permission),
+    found by creating (and removing) one, or None."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".clipkit-probe-", dir=directory)
+    except OSError as error:
+        if error.errno in DISK_FULL_ERRNOS:
+            return None  # room is the disk-full handler's business (it names the bytes needed)
+        return error.strerror or str(error)
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return None
+
+
 def current_umask() -> int:
     """The process umask (reading it means setting it; it is restored at once)."""
     mask = os.umask(0o022)

@@ -12,6 +12,7 @@ message or None. Torch-free and importing only clipkit.errors, so anything may d
 from __future__ import annotations
 
 import inspect
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: The largest integer a setting may hold: what a 64-bit tensor, a C long or a timeout can carry.
+MAX_INTEGER = 2**63 - 1
+
+
+def number_problem(value: Any) -> str | None:
+    """Why a number cannot be a setting at all — not finite (inf, nan) or an integer beyond 64 bits —
+    or None. Every bound check starts with it, and recipes are walked for it (any key)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INTEGER:
+        return f"must be at most {MAX_INTEGER} in size, got an integer of {len(str(abs(value)))} digits"
+    return None
+
+
 @dataclass(frozen=True)
 class Range:
     """A number within bounds: ``gt``/``ge`` below, ``lt``/``le`` above (None: unbounded)."""
@@ -39,6 +54,9 @@ class Range:
     def problem(self, value: Any) -> str | None:
         if value is None or not _is_number(value):
             return None  # types are checked separately (and None means "unset" where allowed)
+        unusable = number_problem(value)
+        if unusable:
+            return unusable
         for name in ("gt", "ge", "lt", "le"):
             bound = getattr(self, name)
             if bound is not None and not _compare(value, name, bound):

@@ -603,6 +603,9 @@ def _check_values(recipe: dict, reported: list[str]) -> list[str]:
 
     typed = {error.partition(":")[0] for error in reported}
     errors = [e for e in check_host(recipe) if e.partition(":")[0] not in typed]
+    reported_keys = typed | {error.partition(":")[0] for error in errors}
+    errors += [e for e in _unusable_numbers(recipe) if e.partition(":")[0] not in reported_keys]
+    errors += _check_locations(recipe.get("data"))
     data, train = (recipe.get(k) or {} for k in ("data", "train"))
     if isinstance(data, dict) and not (data.get("shards") or data.get("source") or data.get("stream")):
         errors.append(
@@ -625,6 +628,54 @@ FSDP2_FP16_REFUSAL = (
     "similarity's replicated ones; use train.precision=bf16 (no loss scaling needed), or fp16 with "
     "strategy ddp or deepspeed"
 )
+
+
+def _unusable_numbers(node: Any, path: str = "") -> list[str]:
+    """'key.path: ...' for every number anywhere in the recipe (plugin arguments and eval tasks
+    too) that no setting can hold: inf, nan, integers beyond 64 bits."""
+    from clipkit.config.constraints import number_problem
+
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        problem = number_problem(node)
+        return [f"{path}: {problem}"] if problem else []
+    return [
+        e for key, value in items for e in _unusable_numbers(value, f"{path}.{key}" if path else str(key))
+    ]
+
+
+def _check_locations(data: Any) -> list[str]:
+    """``data.shards`` / ``data.mixture``: every URL parses and every mixture entry is usable (its
+    weight finite and positive, its shards named), before anything is read."""
+    from clipkit.data.remote import url_problem
+    from clipkit.data.shard_sets import expand, is_streamed, parse_mixture
+
+    if not isinstance(data, dict):
+        return []
+    errors, locations = [], []
+    if isinstance(data.get("shards"), str) and data["shards"]:
+        locations.append(("data.shards", data["shards"]))
+    if data.get("mixture") is not None:
+        try:
+            entries = parse_mixture(data["mixture"])
+        except ClipkitError as error:
+            return [str(error)]
+        locations += [(f"data.mixture[{i}].shards", entry.shards) for i, entry in enumerate(entries)]
+    for key, spec in locations:
+        if not is_streamed(spec):
+            continue
+        try:
+            urls = expand(spec)
+        except ClipkitError as error:
+            errors.append(f"{key}: {error}")
+            continue
+        problems = [problem for problem in map(url_problem, urls) if problem]
+        if problems:
+            errors.append(f"{key}: {problems[0]}")
+    return errors
 
 
 def _check_train(train: dict) -> list[str]:

@@ -38,6 +38,11 @@ from clipkit.config.dotted import lookup
 #: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
+#: Longest data.timeout (seconds; a day): sockets and select() overflow far above it.
+MAX_TIMEOUT = 86400.0
+#: Most data.retries: the back-off doubles per attempt (capped), so more only stalls a dead shard.
+MAX_RETRIES = 100
+
 
 @dataclass
 class RootConfig:
@@ -60,8 +65,8 @@ class DataConfig:
     num_samples: Annotated[int, NON_NEGATIVE] = 0
     mixture: Any = None
     on_error: Annotated[str, OneOf(("skip", "raise"))] = "skip"
-    timeout: Annotated[float, POSITIVE] = 30.0
-    retries: Annotated[int, NON_NEGATIVE] = 3
+    timeout: Annotated[float, Range(gt=0, le=MAX_TIMEOUT)] = 30.0
+    retries: Annotated[int, Range(ge=0, le=MAX_RETRIES)] = 3
     stream: Any = None  # a registered batch stream ({name: ..., ...}) instead of shards (synthetic studies)
     batch_size: Annotated[int, POSITIVE] = 128
     # Lower batch_size to what the training split holds when it holds less than one batch (with a

@@ -37,6 +37,21 @@ class ReadPolicy:
     on_error: str = "skip"
 
 
+class Faults(list):
+    """The shards that failed in one epoch: ``(reason, shown URL)`` per shard, in order (what is
+    reported), and ``failed``, their URLs: a failed shard is passed over for the rest of the
+    epoch, so it is fetched (and waited for) once and reported once per epoch."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.failed: set[str] = set()
+
+    def add(self, reason: str, url: str) -> None:
+        if url not in self.failed:
+            self.failed.add(url)
+            self.append((reason, redact(url)))
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     """What one rank reads in one epoch: shard segments and the number of full batches."""
@@ -78,9 +93,8 @@ class EpochPlan:
         """The rank's records of this epoch; when shards were skipped, the readable segments are
         read again until the consumer has its batches (so every rank keeps its batch count)."""
         while True:
-            before = len(faults)
             produced = yield from read_segments(self.segments, holdout, policy, faults)
-            if len(faults) == before:
+            if not getattr(faults, "failed", faults):
                 return
             if not produced:
                 raise DataError(f"no shard of this epoch could be read ({fault_summary(faults)})")
@@ -93,9 +107,11 @@ def read_segments(segments, holdout: float = 0.0, policy: ReadPolicy | None = No
     that fails is handled by ``policy`` (faults are appended to ``faults``); returns how many
     records were produced."""
     policy = policy or ReadPolicy()
-    faults = faults if faults is not None else []
+    faults = faults if faults is not None else Faults()
     produced = 0
     for segment in segments:
+        if segment.url in getattr(faults, "failed", ()):
+            continue  # failed earlier this epoch: counted once, not fetched again
         records = tar_records(segment.url, policy.patience)
         kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         position = segment.start
@@ -113,7 +129,10 @@ def read_segments(segments, holdout: float = 0.0, policy: ReadPolicy | None = No
         except ShardUnavailable as error:
             if policy.on_error == "raise":
                 raise DataError(f"shard {error} (data.on_error: raise)") from None
-            faults.append((error.reason, redact(segment.url)))  # reported by BatchStream
+            if isinstance(faults, Faults):
+                faults.add(error.reason, segment.url)  # reported by BatchStream, once per epoch
+            else:
+                faults.append((error.reason, redact(segment.url)))
         finally:
             records.close()  # stop reading the tar (and close it) past the segment
     return produced

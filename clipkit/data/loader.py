@@ -39,11 +39,19 @@ import torch
 import torch.utils.data
 
 from clipkit.data.captions import draw_caption
-from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, read_segments, record_key, record_meta
+from clipkit.data.epoch_plan import (
+    EpochPlan,
+    Faults,
+    ReadPolicy,
+    Segment,
+    read_segments,
+    record_key,
+    record_meta,
+)
 from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.transforms import ImageTransform, decode_transformed
-from clipkit.errors import DataError
+from clipkit.errors import ClipkitError, DataError
 
 __all__ = [
     "BatchStream",
@@ -54,6 +62,18 @@ __all__ = [
     "Segment",
     "read_segments",
 ]
+
+
+#: The key of the marker batch that carries a loader error to the main process (see EpochDataset).
+WORKER_ERROR = "__clipkit_error__"
+
+
+def raise_worker_error(batch: dict[str, Any]) -> None:
+    """Raise the error a marker batch carries, as the class and message it was raised with."""
+    cls, message = batch[WORKER_ERROR]
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    raise error
 
 
 @dataclass(frozen=True)
@@ -152,7 +172,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         self.meta_keys = dict(meta_keys or {})
         self.holdout, self.positions = holdout, TrainingSplit([], tuple(held_out))
         self.policy, self.require_index = policy or ReadPolicy(), require_index
-        self.faults: list[tuple[str, str]] = []
+        self.faults = Faults()  # this epoch's failed shards (each fetched and reported once)
 
     def record_batches(self) -> Iterator[list[dict[str, Any]]]:
         """The rank's batches of raw records, in order (identical in every worker)."""
@@ -168,6 +188,16 @@ class EpochDataset(torch.utils.data.IterableDataset):
             yield list(itertools.islice(records, self.batch_size))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # The one error boundary of the loader: a user-facing error raised here — in a worker
+        # process or not — travels to the main process as a marker batch and is raised there as
+        # the same error with the same one line (torch would wrap it in "Caught DataError in
+        # DataLoader worker process 0" and the worker's traceback).
+        try:
+            yield from self.batches()
+        except ClipkitError as error:
+            yield {WORKER_ERROR: (type(error), str(error))}
+
+    def batches(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         # Every worker walks the whole (cheap, undecoded) record stream and keeps every num_workers-th
@@ -324,7 +354,7 @@ class BatchStream:
         self.meta_keys = dict(meta_keys or {})
         self.rank, self.world_size = rank, world_size
         self.epoch, self.batch_in_epoch = 0, 0
-        self.sources, self.first_indices, self.source_names = None, None, [str(shards)]
+        self.sources, self.first_indices, self.source_names = None, None, [redact(str(shards))]
         self.samples_seen: collections.Counter = collections.Counter()
         self.shards_skipped: collections.Counter = collections.Counter()
         if mixture is None and (split is not None or is_clipkit_directory(shards)):
@@ -423,6 +453,8 @@ class BatchStream:
         while True:
             produced = False
             for batch in self.loader(self.epoch, self.batch_in_epoch):
+                if WORKER_ERROR in batch:
+                    raise_worker_error(batch)
                 produced = True
                 self.count(batch.pop("data_stats"))
                 self.batch_in_epoch += 1

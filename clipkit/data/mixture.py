@@ -143,12 +143,14 @@ def global_index(record: dict[str, Any], source: StreamSource) -> int:
 def stream_sources(shards, mixture, num_samples: int, patience) -> tuple[list[StreamSource], int]:
     """The sources of ``data.shards`` (with ``data.num_samples``) or of ``data.mixture``, each
     resolved (a DataError naming a missing path or an unsized source), and the epoch's size."""
-    from clipkit.data.shard_sets import MixtureEntry, parse_mixture, resolve
+    from clipkit.data.shard_sets import MixtureEntry, parse_mixture, resolve, resolve_entry
 
     entries = parse_mixture(mixture) if mixture is not None else [MixtureEntry(str(shards), 1.0, num_samples)]
     sources, offset = [], 0
     for i, entry in enumerate(entries):
-        shard_set = resolve(entry.shards, patience)
+        shard_set = (
+            resolve(entry.shards, patience) if mixture is None else resolve_entry(i, entry.shards, patience)
+        )
         size = shard_set.num_samples or entry.num_samples
         if not size:
             key = "data.num_samples" if mixture is None else f"data.mixture[{i}].num_samples (the list form)"

@@ -13,6 +13,7 @@ are shown with their query values hidden (:func:`redact`), so no secret reaches 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import os
 import random
@@ -23,13 +24,14 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from clipkit import __version__, install_hint
-from clipkit.errors import ClipkitError
+from clipkit.errors import ClipkitError, redact_text
 
 HTTP_SCHEMES = ("http", "https")
 #: fsspec protocols -> the package that provides them (the error says which to install).
@@ -45,6 +47,17 @@ FSSPEC_PACKAGES = {
 #: The clipkit extra that installs each package (pyproject.toml).
 EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: Every exception class reading a stream can raise besides ShardUnavailable: sockets and files
+#: (OSError, timeouts), the HTTP protocol (IncompleteRead, BadStatusLine, LineTooLong: not
+#: OSErrors), URL parsing (ValueError), ``pipe:`` processes (TimeoutExpired) and an archive ending
+#: early (EOFError). Readers turn each into a ShardUnavailable, so the retry/skip policy sees them.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    EOFError,
+    ValueError,
+    http.client.HTTPException,
+    subprocess.SubprocessError,
+)
 
 
 class ShardUnavailable(Exception):
@@ -68,7 +81,42 @@ class Patience:
     def delay(self, attempt: int, url: str) -> float:
         # Jitter seeded by the URL: reproducible, yet ranks retrying one server do not stampede.
         jitter = random.Random(f"{url}:{attempt}").uniform(0.5, 1.0)
-        return min(self.backoff * 2**attempt, self.max_delay) * jitter
+        return min(self.backoff * 2.0 ** min(attempt, 64), self.max_delay) * jitter
+
+
+OPENING = "cannot open"
+
+
+def transport_fault(url: str, error: BaseException, doing: str = "") -> ShardUnavailable:
+    """``error`` (one of :data:`TRANSPORT_ERRORS`) as the ShardUnavailable it is counted under."""
+    if isinstance(error, ShardUnavailable):
+        return error
+    if isinstance(error, subprocess.TimeoutExpired) or timeout_or_unreachable(error) == "timeout":
+        reason = "timeout"
+    elif isinstance(error, http.client.HTTPException):
+        reason = "broken_stream"
+    elif isinstance(error, subprocess.SubprocessError):
+        reason = "pipe_failed"
+    elif isinstance(error, ValueError):  # at opening: the URL does not parse; later: bad data
+        reason = "bad_url" if doing == OPENING else "broken_stream"
+    else:
+        reason = "unreachable"
+    prefix = f"{doing}: " if doing else ""
+    return ShardUnavailable(url, reason, f"{prefix}{type(error).__name__}: {redact_text(str(error))}")
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be parsed (a bad IPv6 host, a port that is not a number...), or None."""
+    if scheme_of(url) in ("", "pipe"):
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port is the check (ValueError when it is no number)
+    except ValueError as error:
+        return f"{redact_text(url)} is not a valid URL ({error})"
+    if scheme_of(url) in HTTP_SCHEMES and not parts.hostname:
+        return f"{redact_text(url)} is not a valid URL (no host)"
+    return None
 
 
 def scheme_of(url: str) -> str:
@@ -81,10 +129,14 @@ def scheme_of(url: str) -> str:
 
 
 def redact(url: str) -> str:
-    """``url`` safe to print: user info dropped, query values hidden (signed URLs carry tokens)."""
+    """``url`` safe to print: user info dropped, query values hidden (signed URLs carry tokens);
+    the URLs inside a ``pipe:`` command are redacted the same way."""
     if scheme_of(url) in ("", "pipe"):
-        return url
-    parts = urlsplit(url)
+        return redact_text(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (a bad IPv6 host): hide everything after the path
+        return url.split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
     netloc = parts.netloc.rpartition("@")[2]
     query = (
         "&".join(f"{item.partition('=')[0]}=***" for item in parts.query.split("&")) if parts.query else ""
@@ -93,10 +145,14 @@ def redact(url: str) -> str:
 
 
 def check_url(url: str) -> None:
-    """Refuse what would put a secret into the recipe, or a scheme no installed package reads."""
+    """Refuse what would put a secret into the recipe, an unparseable URL, or a scheme no installed
+    package reads."""
     scheme = scheme_of(url)
     if scheme in ("", "pipe", "file"):
         return
+    problem = url_problem(url)
+    if problem:
+        raise ClipkitError(problem)
     secret = [key for key in query_keys(url) if SECRET_PARAMETER.search(key)]
     if secret:
         raise ClipkitError(
@@ -235,15 +291,17 @@ class HttpReader(io.RawIOBase):
         headers = {"User-Agent": f"clipkit/{__version__}"}
         if self.offset:
             headers["Range"] = f"bytes={self.offset}-"
-        auth = netrc_authorization(self.url)
-        if auth:
-            headers["Authorization"] = auth
-        return urllib.request.Request(self.url, headers=headers)
+        try:
+            request = urllib.request.Request(self.url, headers=headers)
+        except ValueError as error:  # unparseable (validate refuses these; a plugin may not)
+            raise transport_fault(self.url, error, OPENING) from None
+        authorize(request)
+        return request
 
     def connect(self):
         while True:
             try:
-                response = urllib.request.urlopen(self.request(), timeout=self.patience.timeout)
+                response = OPENER.open(self.request(), timeout=self.patience.timeout)
                 if self.offset and response.status != 206:
                     response.close()  # the server ignores Range: the rest cannot be fetched alone
                     raise ShardUnavailable(
@@ -255,8 +313,10 @@ class HttpReader(io.RawIOBase):
                 if error.code not in TRANSIENT_HTTP:
                     raise ShardUnavailable(self.url, reason, f"HTTP {error.code} {error.reason}") from None
                 self.wait(reason, f"HTTP {error.code}")
-            except (urllib.error.URLError, OSError) as error:
-                self.wait(timeout_or_unreachable(error), str(getattr(error, "reason", error)))
+            except (OSError, http.client.HTTPException) as error:  # URLError, reset, BadStatusLine
+                self.wait(timeout_or_unreachable(error), redact_text(str(getattr(error, "reason", error))))
+            except ValueError as error:  # a redirect to an unparseable URL
+                raise transport_fault(self.url, error, OPENING) from None
 
     def wait(self, reason: str, detail: str) -> None:
         """Sleep before the next attempt, or raise when the retries are spent."""
@@ -269,9 +329,12 @@ class HttpReader(io.RawIOBase):
         while True:
             try:
                 count = self.response.readinto(buffer)
-            except (OSError, ValueError) as error:  # reset, timeout, http.client.IncompleteRead
+            except (OSError, ValueError, http.client.HTTPException) as error:  # reset, IncompleteRead
                 self.response.close()
-                self.wait(timeout_or_unreachable(error), f"read failed at byte {self.offset}: {error}")
+                detail = (
+                    f"read failed at byte {self.offset}: {type(error).__name__}: {redact_text(str(error))}"
+                )
+                self.wait(timeout_or_unreachable(error), detail)
                 self.response = self.connect()
                 continue
             length = self.response.length  # None when the server sent no Content-Length
@@ -292,6 +355,41 @@ class HttpReader(io.RawIOBase):
 def timeout_or_unreachable(error: BaseException) -> str:
     inner = getattr(error, "reason", error)
     return "timeout" if isinstance(inner, (socket.timeout, TimeoutError)) else "unreachable"
+
+
+def authorize(request: urllib.request.Request) -> None:
+    """Give ``request`` its host's ``~/.netrc`` credentials as an *unredirected* header: urllib
+    copies ordinary headers onto a redirect, which would hand them to another host."""
+    request.remove_header("Authorization")
+    auth = netrc_authorization(request.full_url)
+    if auth:
+        request.add_unredirected_header("Authorization", auth)
+
+
+class CredentialSafeRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects that follow http(s) only and never carry an ``Authorization`` header to another
+    host (whatever set it); the new host gets its own netrc entry, if it has one."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        target = urllib.parse.urljoin(req.full_url, newurl)
+        if scheme_of(target) not in HTTP_SCHEMES:
+            raise ShardUnavailable(
+                req.full_url, "unreachable", f"redirect to a non-http(s) URL refused: {redact(target)}"
+            )
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            same_host = urlsplit(target).netloc.lower() == urlsplit(req.full_url).netloc.lower()
+            kept = req.unredirected_hdrs.get("Authorization") if same_host else None
+            new.remove_header("Authorization")
+            if kept:
+                new.add_unredirected_header("Authorization", kept)
+            else:
+                authorize(new)
+        return new
+
+
+#: The opener shards are fetched with (its redirect handler keeps credentials on their host).
+OPENER = urllib.request.build_opener(CredentialSafeRedirects)
 
 
 def netrc_authorization(url: str) -> str | None:
@@ -334,15 +432,25 @@ class PipeReader(io.RawIOBase):
             raise ShardUnavailable(f"pipe:{self.command}", "timeout", f"no output for {self.timeout:g} s")
         data = os.read(self.fd, len(buffer))
         if not data:
-            status = self.process.wait(timeout=self.timeout)
-            if status != 0:
-                self.errors.seek(0)
-                error = self.errors.read(2000).decode("utf-8", "replace").strip()
-                raise ShardUnavailable(
-                    f"pipe:{self.command}", "pipe_failed", f"exit status {status}: {error}"
-                )
+            self.check_exit()
         buffer[: len(data)] = data
         return len(data)
+
+    def check_exit(self) -> None:
+        """After the output ended: wait for the command (at most ``timeout``; one that closes its
+        output and lingers is killed) and fail the shard on a non-zero exit status."""
+        try:
+            status = self.process.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise ShardUnavailable(
+                f"pipe:{self.command}", "timeout",
+                f"the command closed its output but did not exit within {self.timeout:g} s",
+            ) from None  # fmt: skip
+        if status != 0:
+            self.errors.seek(0)
+            error = redact_text(self.errors.read(2000).decode("utf-8", "replace").strip())
+            raise ShardUnavailable(f"pipe:{self.command}", "pipe_failed", f"exit status {status}: {error}")
 
     def kill(self) -> None:
         """The shell and what it started (its own session: ``aws s3 cp`` under ``sh -c``)."""

@@ -21,11 +21,13 @@ the ``index`` in each sample's json (clipkit shards carry one), which must be be
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from clipkit.config.constraints import MAX_INTEGER
 from clipkit.data.remote import (
     FSSPEC_PACKAGES,
     Patience,
@@ -178,6 +180,12 @@ def resolve_directory(path: Path) -> ShardSet:
     return ShardSet(str(path), tuple(tars), shard_counts(tars, str(path), Patience()))
 
 
+def shard_name(url: str) -> str:
+    """The file name of a shard URL, without its query (``shard-0.tar?sig=...`` -> ``shard-0.tar``)."""
+    path = url.split("?", 1)[0].split("#", 1)[0] if scheme_of(url) not in ("", "pipe") else url
+    return path.rsplit("/", 1)[-1]
+
+
 def parent_of(url: str) -> str:
     return url.rsplit("/", 1)[0] if "/" in url else "."
 
@@ -197,7 +205,7 @@ def shard_counts(urls: list[str], spec: str, patience: Patience) -> tuple[int, .
         if body is None:
             continue
         sizes = parse_sizes(body, name, f"{redact(parent)}/{name}")
-        names = [url.rsplit("/", 1)[-1] for url in urls]
+        names = [shard_name(url) for url in urls]
         unlisted = [n for n in names if n not in sizes]
         if unlisted:
             raise DataError(
@@ -229,6 +237,15 @@ def parse_sizes(body: bytes, name: str, where: str) -> dict[str, int]:
     return {str(k).rsplit("/", 1)[-1]: v for k, v in data.items()}
 
 
+def resolve_entry(i: int, shards: str, patience: Patience = Patience()) -> ShardSet:
+    """The shard set of ``data.mixture[i]``; its errors name the entry, not ``data.shards``."""
+    try:
+        return resolve(shards, patience)
+    except DataError as error:
+        message = str(error).removeprefix("data.shards ")
+        raise DataError(f"data.mixture[{i}].shards {message}") from None
+
+
 @dataclass(frozen=True)
 class MixtureEntry:
     shards: str
@@ -247,6 +264,11 @@ def parse_mixture(mixture) -> list[MixtureEntry]:
         )
     entries = []
     for i, item in enumerate(mixture):
+        if isinstance(item, dict) and isinstance(item.get("shards"), str) and not item["shards"].strip():
+            raise DataError(
+                f"data.mixture[{i}]: names no shards (an empty `shards:`, or nothing after `W*` "
+                "between `::`); give each source its shard directory, list or URL"
+            )
         if not isinstance(item, dict) or not isinstance(item.get("shards"), str) or not item["shards"]:
             raise DataError(f"data.mixture[{i}]: expected {{shards: ..., weight: ...}}, got {item!r}")
         unknown = set(item) - {"shards", "weight", "num_samples"}
@@ -255,13 +277,38 @@ def parse_mixture(mixture) -> list[MixtureEntry]:
                 f"data.mixture[{i}]: unknown key(s) {sorted(unknown)} (shards, weight, num_samples)"
             )
         weight = item.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise DataError(f"data.mixture[{i}].weight must be a positive number, got {weight!r}")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not 0 < weight < math.inf
+            or isinstance(weight, int)
+            and weight > MAX_INTEGER
+        ):
+            raise DataError(f"data.mixture[{i}].weight must be a positive finite number, got {weight!r}")
         count = item.get("num_samples", 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise DataError(f"data.mixture[{i}].num_samples must be a non-negative integer, got {count!r}")
         entries.append(MixtureEntry(item["shards"], float(weight), count))
-    return entries
+    return relative_weights(entries)
+
+
+def relative_weights(entries: list[MixtureEntry]) -> list[MixtureEntry]:
+    """``entries``; when their weights' sum overflows, divided by the largest: the same draw, and
+    a sum that cannot overflow (``1e308*A :: 1e308*B`` is an even mixture, not inf/inf); a
+    weight too small to count beside the others is refused, naming it."""
+    import dataclasses
+
+    if math.isfinite(sum(entry.weight for entry in entries)):  # as random.choices adds them
+        return entries  # as given: a resumed run draws exactly as before
+    largest = max(entry.weight for entry in entries)
+    scaled = [dataclasses.replace(entry, weight=entry.weight / largest) for entry in entries]
+    for i, entry in enumerate(scaled):
+        if not entry.weight > 0:
+            raise DataError(
+                f"data.mixture[{i}].weight {entries[i].weight!r} is too small beside {largest!r} "
+                "to draw from; give weights of comparable size"
+            )
+    return scaled
 
 
 def compact_entry(item: str) -> dict:

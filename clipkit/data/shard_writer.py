@@ -240,10 +240,9 @@ class ResumableWriter:
             shutil.rmtree(self.partial, ignore_errors=True)
             self.partial.mkdir(parents=True)
             return False
-        try:
-            journal = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise DataError(f"{path}: unreadable journal ({error}); delete {self.partial}") from None
+        from clipkit.artifacts.files import read_json
+
+        journal = read_json(path, "the shard journal", f"delete {self.partial}", expect=dict)
         if journal.get("identity") != self.identity:
             raise DataError(
                 f"{self.partial} holds an interrupted run with other arguments "
@@ -385,10 +384,13 @@ class ResumableWriter:
         manifest_path, journal_path = self.partial / MANIFEST, self.partial / JOURNAL
         if not (manifest_path.is_file() and journal_path.is_file()):
             return None
+        from clipkit.artifacts.files import read_json
+        from clipkit.errors import ArtifactError
+
         try:
-            journal = json.loads(journal_path.read_text(encoding="utf-8"))
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            journal = read_json(journal_path, "the shard journal", expect=dict)
+            manifest = read_json(manifest_path, "the shard manifest", expect=dict)
+        except ArtifactError:
             return None  # not the commit point after all: load_journal decides
         if journal.get("identity") != self.identity or manifest.get("shards") != journal.get("shards"):
             return None
@@ -447,8 +449,21 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
     directory = Path(shards)
     opened = check_shards(shards, source, pm=pm)
     if opened is not None:
-        write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+        manifest = write_shards(opened, directory, source=source, info=opened.info(), progress=progress)
+        line = skipped_rows_line(manifest)
+        if line:  # what `clipkit shard` prints: no row is left out without a word
+            print(f"data: {line} (while sharding {source} into {directory})", flush=True)
     return directory
+
+
+def skipped_rows_line(manifest: dict) -> str:
+    """``skipped 3 bad row(s): missing_image 2, empty_caption 1`` from a manifest, or "" — the one
+    wording of `clipkit shard` and of sharding a source for `clipkit train`."""
+    skipped = (manifest.get("info") or {}).get("skipped") or {}
+    if not skipped:
+        return ""
+    reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
+    return f"skipped {sum(skipped.values())} bad row(s): {reasons}"
 
 
 def check_shards(shards: str, source: str, *, pm=None):

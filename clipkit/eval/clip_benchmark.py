@@ -161,13 +161,15 @@ def is_benchmark_result(value: Any) -> bool:
 def read_result(path: Path) -> dict:
     """A CLIP_benchmark result file as a clipkit result row: ``name`` (clipkit's task), ``dataset``
     (``wds/`` dropped), clipkit's metric names (``top1``, ``i2t_R@1``, ...), ``model``, ``pretrained``."""
+    from clipkit.artifacts.files import read_json, require
+
     path = Path(path)
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ClipkitError(f"{path}: not a readable JSON file ({error})") from None
+    what = "CLIP_benchmark result"
+    value = read_json(path, what)
     if not is_benchmark_result(value):
         raise ClipkitError(f"{path}: not a CLIP_benchmark result (needs keys {', '.join(SCHEMA_KEYS)})")
+    for key in ("task", "dataset"):
+        require(value[key], key, str, path, what)
     names = {task: name for name, task in TASKS.items()}
     name = names.get(value["task"], value["task"])
     row: dict[str, Any] = {"name": name, "dataset": str(value["dataset"]).removeprefix("wds/")}
@@ -184,12 +186,14 @@ def read_result(path: Path) -> dict:
 
 def benchmark_files(directory: Path) -> list[Path]:
     """The CLIP_benchmark result files directly in ``directory`` (sorted)."""
+    from clipkit.artifacts.files import read_json
+
     found = []
     for path in sorted(Path(directory).glob("*.json")):
         try:
-            if is_benchmark_result(json.loads(path.read_text(encoding="utf-8"))):
+            if is_benchmark_result(read_json(path, "JSON file")):
                 found.append(path)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except ClipkitError:
             continue  # not a result file; others in the folder may be
     return found
 

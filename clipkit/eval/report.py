@@ -262,15 +262,20 @@ def _jsonable(value) -> str:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a run's ``metrics.jsonl``; a torn last line (from a crash) is ignored."""
-    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    from clipkit.artifacts.files import read_text
+
+    lines = [line for line in read_text(Path(path), "metrics log").splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
+            record = json.loads(line)
+        except ValueError as error:
             if number == len(lines):
                 break
             raise ClipkitError(f"{path}:{number}: not a JSON line ({error})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            raise ClipkitError(f"{path}:{number}: not a metrics record (an object with an integer `step`)")
+        records.append(record)
     return records
 
 
@@ -283,7 +288,11 @@ def plot_loss_curves(runs: dict[str, Path], path: Path, metrics: Sequence[str] =
             file = Path(run_dir) / "metrics.jsonl"
             if not file.is_file():
                 raise ClipkitError(f"{run_dir}: no metrics.jsonl (is it a clipkit run directory?)")
-            points = [(r["step"], r[metric]) for r in read_metrics(file) if isinstance(r.get(metric), float)]
+            points = [
+                (r["step"], r[metric])
+                for r in read_metrics(file)
+                if isinstance(r.get(metric), float) and isinstance(r.get("step"), int)
+            ]
             if points:
                 steps, values = zip(*points, strict=True)
                 axes.plot(steps, values, label=label)

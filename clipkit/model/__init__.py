@@ -18,6 +18,7 @@ from clipkit.contract.registry import Registry
 from clipkit.contract.types import PointSet
 from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
+from clipkit.errors import ClipkitError
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}
 
@@ -32,7 +33,24 @@ def build_slot(registry: Registry, kind: str, config: dict, where: str, /, *args
     parameters = inspect.signature(entry.factory).parameters
     kwargs = {k: v for k, v in config.items() if k != "name"}
     kwargs.update({k: v for k, v in available.items() if k in parameters})
-    return entry.factory(*args, **kwargs)
+    try:
+        return entry.factory(*args, **kwargs)
+    except (MemoryError, RuntimeError) as error:
+        if not is_allocation_failure(error):
+            raise
+        numbers = {k: v for k, v in kwargs.items() if isinstance(v, int) and not isinstance(v, bool)}
+        sizes = ", ".join(f"{k}={v}" for k, v in numbers.items())
+        raise ClipkitError(
+            f"{where}: {config['name']} cannot be built, its weights need more memory than there is "
+            f"({sizes or 'its arguments'}); check the sizes in the recipe (model.image_size, "
+            "model.embed_dim, the encoder's width and depth)"
+        ) from None
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """A tensor allocation that failed for lack of memory (CPU or GPU), not a bug."""
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
 class ContrastiveModel(nn.Module):

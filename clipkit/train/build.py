@@ -232,15 +232,17 @@ def shard_target(data: DataConfig) -> str:
 def check_data_location(recipe: dict, registry: Registry) -> None:
     """What training checks about the recipe's data before it writes anything (``clipkit validate``):
     the shard directory, or the source it would be made from (see :func:`ensure_shards`)."""
-    from clipkit.data.shard_sets import parse_mixture, resolve
+    from clipkit.data.shard_sets import parse_mixture, resolve, resolve_entry
 
     data = section(recipe, "data")
     if data.stream is not None:
         return
     patience = Patience(timeout=data.timeout, retries=data.retries)
     if data.mixture is not None:
-        for entry in parse_mixture(data.mixture):
-            resolve(entry.shards, patience)  # a DataError naming a missing path, before anything is written
+        for i, entry in enumerate(parse_mixture(data.mixture)):
+            resolve_entry(
+                i, entry.shards, patience
+            )  # a DataError naming the entry, before anything is written
     elif is_streamed_data(data):
         resolve(data.shards, patience)
     else:

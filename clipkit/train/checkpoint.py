@@ -155,12 +155,9 @@ def verify_checkpoint(path: Path) -> None:
     if not manifest_path.is_file():
         warn_unverified(path, "its files are")
         return
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ArtifactError(
-            f"{manifest_path}: not valid JSON ({error}); the checkpoint is damaged"
-        ) from error
+    from clipkit.artifacts.files import read_json
+
+    manifest = read_json(manifest_path, "the checkpoint manifest", "the checkpoint is damaged")
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"{manifest_path}: not a clipkit checkpoint manifest ({MANIFEST_FORMAT})")
     present = (str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())

@@ -129,6 +129,12 @@ class ZeroShot:
         if given and described.get("classes"):
             self.check_matches(list(given), list(described["classes"]))
         classnames = list(given or described.get("classes") or [])
+        if not classnames and described.get("classes_missing") and not self.prompt_map:
+            raise DataError(
+                f"{self.data}: {described['classes_missing']} is missing, so its labels are class "
+                "indices with no names to prompt with; restore the file, or pass classnames, "
+                "classnames_file or dataset"
+            )
         if not classnames:
             # A split of a larger set (holdout:) reports the values of the whole set: every class.
             whole = (info.get("label_values") or {}).get(self.label)

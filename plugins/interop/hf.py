@@ -157,10 +157,9 @@ def read_json(path: Path, required: bool) -> dict:
         if required:
             raise ClipkitError(f"{path} is missing")
         return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ClipkitError(f"{path}: not valid JSON ({error})") from error
+    from clipkit.artifacts.files import read_json as read_artifact
+
+    return read_artifact(path, "Hugging Face config", expect=dict)
 
 
 def is_hf_clip(directory: Path) -> bool:
@@ -169,14 +168,14 @@ def is_hf_clip(directory: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("model_type") == "clip"
-    except (OSError, json.JSONDecodeError, AttributeError):
+        return json.loads(path.read_bytes().decode("utf-8")).get("model_type") == "clip"
+    except (OSError, ValueError, AttributeError):  # not UTF-8, not JSON, not an object
         return False
 
 
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     """A Hugging Face CLIPModel directory -> (spec, clipkit-layout state dict)."""
-    from safetensors.torch import load_file
+    from clipkit.artifacts.files import read_safetensors
 
     directory = Path(directory)
     weights = directory / WEIGHTS
@@ -189,7 +188,7 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     spec = spec_from_config(
         config, read_json(directory / PREPROCESSOR, required=False), str(directory / CONFIG)
     )
-    return spec, hf_to_clipkit(load_file(str(weights)))
+    return spec, hf_to_clipkit(read_safetensors(weights, "Hugging Face weights"))
 
 
 def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clipkit.artifacts.files import one_line
 from clipkit.errors import ClipkitError
 from clipkit.plugins.interop.spec import CLIP_VOCAB_SIZE, ClipSpec, TextSpec, VisionSpec
 
@@ -67,12 +68,22 @@ def read(path: Path, registry: Registry | None = None, *, quick_gelu: bool | Non
     from clipkit.plugins.interop import hf, open_clip
 
     layout = detect(path)
-    if layout == "state_dict":
-        spec, state = open_clip.read_state_dict(Path(path), quick_gelu)
-    elif layout == "open_clip":
-        spec, state = open_clip.read_dir(Path(path))
-    elif layout == "hf":
-        spec, state = hf.read_dir(Path(path))
+    readers = {
+        "state_dict": lambda: open_clip.read_state_dict(Path(path), quick_gelu),
+        "open_clip": lambda: open_clip.read_dir(Path(path)),
+        "hf": lambda: hf.read_dir(Path(path)),
+    }
+    if layout in readers:
+        try:
+            spec, state = readers[layout]()
+        except ClipkitError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as error:
+            # A foreign file's config or tensors of the wrong kind: one line naming the file.
+            raise ClipkitError(
+                f"{path}: not a plain CLIP model in the {layout} layout "
+                f"({type(error).__name__}: {one_line(error)})"
+            ) from None
     else:
         from clipkit.artifacts.reader import load_export
         from clipkit.contract.registry import default_registry

@@ -170,9 +170,9 @@ QUICK_GELU_KEY = "quick_gelu"  # safetensors header entry clipkit writes on a ba
 def read_state_dict(path: Path, quick_gelu: bool | None = None) -> tuple[ClipSpec, StateDict]:
     """An OpenAI/open_clip-layout ``.safetensors`` state dict -> (spec, clipkit-layout state dict).
     ``quick_gelu``: the activation it was trained with; None: from the evidence (:func:`activation`)."""
-    from safetensors.torch import load_file
+    from clipkit.artifacts.files import read_safetensors
 
-    state = load_file(str(path))
+    state = read_safetensors(Path(path), "state dict")
     spec_from_state_dict(state, False, str(path))  # not a CLIP state dict: said before the activation
     chosen = quick_gelu if quick_gelu is not None else activation(Path(path))
     spec = spec_from_state_dict(state, chosen, str(path))
@@ -183,10 +183,9 @@ def activation(path: Path) -> bool:
     """Which activation trained the bare state dict at ``path``, from evidence only: the
     ``quick_gelu`` entry of its safetensors header (clipkit writes it), else ``model_cfg.quick_gelu``
     of an ``open_clip_config.json`` beside it. No evidence: a :class:`ClipkitError` naming the flags."""
-    from safetensors import safe_open
+    from clipkit.artifacts.files import safetensors_metadata
 
-    with safe_open(str(path), framework="pt") as handle:
-        recorded = (handle.metadata() or {}).get(QUICK_GELU_KEY)
+    recorded = safetensors_metadata(Path(path), "state dict").get(QUICK_GELU_KEY)
     if recorded in ("true", "false"):
         return recorded == "true"
     config = path.parent / CONFIG
@@ -205,7 +204,7 @@ def activation(path: Path) -> bool:
 
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     """An open_clip checkpoint directory -> (spec, clipkit-layout state dict)."""
-    from safetensors.torch import load_file
+    from clipkit.artifacts.files import read_json, read_safetensors
 
     config_path, weights = Path(directory) / CONFIG, Path(directory) / WEIGHTS
     if not weights.is_file():
@@ -213,12 +212,9 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
             f"{directory}: {WEIGHTS} is missing (clipkit reads safetensors only; it never loads pickled "
             "open_clip_pytorch_model.bin / .pt files)"
         )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ClipkitError(f"{config_path}: cannot read open_clip config ({error})") from error
+    config = read_json(config_path, "open_clip config", expect=dict)
     spec = spec_from_config(config, str(config_path))
-    return spec, open_clip_to_clipkit(load_file(str(weights)), spec.vision.kind)
+    return spec, open_clip_to_clipkit(read_safetensors(weights, "open_clip weights"), spec.vision.kind)
 
 
 def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:

@@ -114,7 +114,12 @@ class ClipBenchmarkSource(WebDatasetSource):
             captions = field_text(fields["txt"], f"{where}.txt").splitlines()
         label = meta.get("label")
         if self.classes and isinstance(label, int) and not 0 <= label < len(self.classes):
-            raise BadRow("bad_meta", f"{where}.cls: label {label} is not a class of {self.root / CLASSNAMES}")
+            # Refused, not skipped: scoring the samples that happen to fit would report a score
+            # of another class list than the data's (docs/safety.md).
+            raise DataError(
+                f"{where}.cls: label {label} is outside the {len(self.classes)} classes of "
+                f"{self.root / CLASSNAMES}: the class list does not match the data's labels"
+            )
         return make_sample(key, where, image, captions, meta, self.max_caption_chars)
 
     def info(self) -> dict[str, Any]:
@@ -122,6 +127,8 @@ class ClipBenchmarkSource(WebDatasetSource):
         info["benchmark"] = {"dataset": benchmark_name(self.root), "retrieval": self.retrieval}
         if self.classes:
             info["labels"] = {"label": {"classes": list(self.classes), "templates": list(self.templates)}}
+        elif not self.retrieval:  # the labels are indices into a list that is not here
+            info["labels"] = {"label": {"classes_missing": str(self.root / CLASSNAMES)}}
         return info
 
 
