@@ -4,14 +4,20 @@ A record is ``{"__key__", "__url__", field: bytes, ...}``: consecutive members s
 path up to the first dot of the file name, as WebDataset groups them) with their extensions as
 fields. A shard that cannot be opened, breaks off, or is not a valid tar raises
 :class:`~clipkit.data.remote.ShardUnavailable` with the reason it is counted under.
+
+Traffic is counted as it happens (:class:`Traffic`): bytes *fetched* from the source (file, HTTP
+body, pipe, object store: what came in below the read buffer, read-ahead included) and bytes
+*read* by the tar reader (headers, members, padding). A tar read to its end is drained to the end
+of the stream, so a whole shard counts exactly its size.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from clipkit.data.remote import Patience, ShardUnavailable, open_shard
@@ -19,17 +25,84 @@ from clipkit.data.remote import Patience, ShardUnavailable, open_shard
 MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
 READ_BUFFER = 1 << 20
 
+#: ``meter(kind, count)``: ``count`` more bytes of ``kind`` ("read" or "fetched").
+Meter = Callable[[str, int], None]
 
-def tar_records(url: str, patience: Patience = Patience()) -> Iterator[dict[str, Any]]:
-    """The records of the tar at ``url``, in tar order (close the generator to stop early)."""
+
+class Traffic:
+    """Bytes read and fetched per source (an int: the source's place in the mixture) by this
+    process (one loader worker) so far; :meth:`take` hands over what came since the last take."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+
+    def meter(self, source: int) -> Meter:
+        def count(kind: str, number: int) -> None:
+            self.counts[(source, kind)] += number
+
+        return count
+
+    def take(self) -> dict[int, dict[str, int]]:
+        """{source: {"read": bytes, "fetched": bytes}} since the last take."""
+        taken: dict[int, dict[str, int]] = {}
+        for (source, kind), number in self.counts.items():
+            taken.setdefault(source, {"read": 0, "fetched": 0})[kind] = number
+        self.counts.clear()
+        return taken
+
+
+class CountedSource(io.RawIOBase):
+    """A readable stream whose bytes are counted as ``fetched`` as they come in."""
+
+    def __init__(self, inner, meter: Meter) -> None:
+        self.inner, self.meter = inner, meter
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = self.inner.readinto(buffer)
+        self.meter("fetched", count or 0)
+        return count
+
+    def close(self) -> None:
+        if not self.closed:
+            self.inner.close()
+        super().close()
+
+
+class CountedReader:
+    """The buffered stream the tar reader reads, its bytes counted as ``read``."""
+
+    def __init__(self, inner, meter: Meter) -> None:
+        self.inner, self.meter = inner, meter
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.inner.read(size)
+        self.meter("read", len(data))
+        return data
+
+    def drain(self) -> None:
+        """Read to the end of the stream (the tar's end blocks and padding)."""
+        while self.read(READ_BUFFER):
+            pass
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def ignore(kind: str, count: int) -> None:
+    del kind, count
+
+
+def tar_records(url: str, patience: Patience = Patience(), meter: Meter = ignore) -> Iterator[dict[str, Any]]:
+    """The records of the tar at ``url``, in tar order (close the generator to stop early);
+    ``meter`` counts the bytes fetched and read."""
     raw = open_shard(url, patience)
-    stream = (
-        raw
-        if isinstance(raw, io.BufferedIOBase) or hasattr(raw, "fs")
-        else io.BufferedReader(raw, READ_BUFFER)
-    )
+    stream = CountedReader(io.BufferedReader(CountedSource(raw, meter), READ_BUFFER), meter)
     try:
         yield from group_members(url, stream)
+        stream.drain()  # only reached once the tar's last record is taken: count the whole file
     except ShardUnavailable:
         raise
     except (tarfile.TarError, EOFError, OSError, ValueError) as error:
