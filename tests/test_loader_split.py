@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stream_servers import http_server
+from stream_servers import http_server, moto_available, s3_server
 
 from clipkit import api
 from clipkit.data.epoch_plan import EpochPlan, cut_segments, lane_quotas, lane_range, read_segments
@@ -81,7 +81,9 @@ def test_lanes_cut_the_rank_range_into_round_robin_quotas():
     assert cut_segments(segments, 0, total) == segments  # one lane: the rank's own segments
 
 
-def old_order(shards: Path, epoch: int, seed: int = 5, batch_size: int = 8, buffer: int = 20) -> list[list[int]]:
+def old_order(
+    shards: Path, epoch: int, seed: int = 5, batch_size: int = 8, buffer: int = 20
+) -> list[list[int]]:
     """The batches (global indices) of the loader before lanes, restated from its docs: the
     rank's segments read as one stream, shuffled with a buffer seeded by (seed, epoch, rank, 0)."""
     import webdataset as wds
@@ -203,3 +205,16 @@ def test_ranks_with_lanes_see_every_index_once(shards):
         batches = stream(shards, num_workers=2, rank=rank, world_size=2).loader(0, 0)
         seen += [i for b in batches for i in b["index"].tolist()]
     assert sorted(seen) == list(range(128))
+
+
+@pytest.mark.skipif(not moto_available(), reason="moto[server], boto3 or s3fs not installed (the dev extra)")
+def test_s3_fetches_each_shard_once_per_epoch(shards):
+    files = {f"shapes/{path.name}": path for path in shards.glob("*.tar")}
+    files["shapes/manifest.json"] = shards / "manifest.json"
+    local = list(stream(shards, num_workers=0, lanes=2).loader(0, 0))
+    with s3_server("clipkit-split", files):
+        batches = stream(f"s3://clipkit-split/shapes/{ALL}", num_workers=2)
+        got = take(batches, 16)
+    assert same(got, local)
+    # What the block cache asked the store for: each shard once, whole (they are under a block).
+    assert sum(batches.bytes_fetched.values()) == sum(batches.bytes_read.values()) == shard_bytes(shards)

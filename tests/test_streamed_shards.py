@@ -298,10 +298,12 @@ def test_evaluation_reads_a_streamed_set_in_place(shards, server):
 
 
 def test_streamed_batches_do_not_depend_on_the_number_of_workers(shards, server):
+    # They depend on the lanes (by default one per worker, saved with the position), not the workers.
     pipe = {"shards": f"pipe:cat {shards}/shard-{{000000..000002}}.tar", "num_samples": 48}
     mixture = [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2}, pipe]
-    one = take(stream(None, mixture=mixture, num_samples=96), 6)
+    one = take(stream(None, mixture=mixture, num_samples=96, lanes=2), 6)
     assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=2), 6), one)
+    assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=1, lanes=2), 6), one)
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +358,9 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
         [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2},
          {"shards": f"pipe:cat {shards}/{BRACES}", "num_samples": 96}]
     )  # fmt: skip
+    # Two loader workers: two lanes, each read by one worker (the bytes of the epoch read once).
     overrides = ["train.steps=30", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
-                 "eval=[]", f"data.mixture={mixture}"]  # fmt: skip
+                 "eval=[]", f"data.mixture={mixture}", "data.num_workers=2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def command(run_dir: Path, *extra: str) -> list[str]:

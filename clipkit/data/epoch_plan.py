@@ -71,8 +71,9 @@ def cut_segments(segments, start: int, stop: int) -> tuple[Segment, ...]:
             cut.append(
                 segment
                 if whole
-                else Segment(segment.url, segment.start + low, segment.start + high, segment.first_index,
-                             segment.count)  # fmt: skip
+                else Segment(
+                    segment.url, segment.start + low, segment.start + high, segment.first_index, segment.count
+                )  # fmt: skip
             )
         offset += length
     return tuple(cut)
@@ -129,7 +130,9 @@ class EpochPlan:
         """Lane ``lane``'s records of this epoch (with one lane: the rank's); ``meter_of(0)`` counts
         the bytes (the plan's one source)."""
         own = self.lane_segments(lane, lanes, batch_size)
-        return records_refilled(own, self.segments, holdout, policy, faults, meter_of(0) if meter_of else ignore)
+        return records_refilled(
+            own, self.segments, holdout, policy, faults, meter_of(0) if meter_of else ignore
+        )
 
     def records(self, holdout: float, policy: ReadPolicy, faults: list) -> Iterator[dict[str, Any]]:
         """The rank's records of this epoch (one lane)."""

@@ -6,11 +6,15 @@ Instead each epoch is planned from the manifest's per-shard counts, identically 
 1. the shards are put in a seeded order (a permutation, or with ``resampled`` a draw with
    replacement), giving one stream of samples;
 2. rank r of W takes the contiguous range [r·N/W, (r+1)·N/W) of that stream (so each tar is read
-   by at most two ranks), shuffles it with a buffer seeded by (seed, epoch, rank), and cuts it
-   into ``(N // W) // B`` full batches — the same count on every rank, so collectives never wait;
-3. global batch j of the rank goes to DataLoader worker (j − skip) mod workers. Every worker reads
-   the rank's records (tar I/O only) but decodes only its own batches, so the batches — and a
-   resumed run — are the same for any number of workers.
+   by at most two ranks) and makes ``K = (N // W) // B`` full batches of it — the same count on
+   every rank, so collectives never wait;
+3. the range is cut into L lanes, contiguous parts holding exactly the samples of their batches:
+   batch j is lane (j mod L)'s (:func:`~clipkit.data.epoch_plan.lane_range`; cuts fall between
+   tar members). Each lane is shuffled with a buffer seeded by (seed, epoch, rank, lane);
+4. batch j goes to DataLoader worker (j − skip) mod workers, which reads only the lanes of its
+   batches: with the workers dividing L, every byte is read once per epoch. L is the number of
+   workers the run started with, saved in the position, so the batches — and a resumed run —
+   are the same for any number of workers; with one lane this is the loader from before lanes.
 
 Every global index therefore appears at most once per epoch, and exactly once when N is a
 multiple of W·B (otherwise fewer than W·B samples, different ones each epoch, wait for the next).
@@ -187,7 +191,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
         sharing = math.gcd(num_workers, self.lanes)
         group = (self.skip_batches + worker) % sharing
         traffic = Traffic()
-        lanes = {lane: self.lane_batches(lane, traffic) for lane in range(self.lanes) if lane % sharing == group}
+        lanes = {
+            lane: self.lane_batches(lane, traffic) for lane in range(self.lanes) if lane % sharing == group
+        }
         mine = range(self.skip_batches + worker, self.plan.batches, num_workers)
         for position in range(mine[-1] + 1 if mine else 0):  # nothing is read past this worker's last batch
             lane = position % self.lanes
@@ -199,7 +205,11 @@ class EpochDataset(torch.utils.data.IterableDataset):
             # A lane's faults are reported once, with the batch being filled, by its worker.
             if position in mine:
                 batch = self.collate(records)
-                batch["data_stats"] = {"sources": source_counts(records), "faults": faults, "bytes": traffic.take()}
+                batch["data_stats"] = {
+                    "sources": source_counts(records),
+                    "faults": faults,
+                    "bytes": traffic.take(),
+                }
                 yield batch
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -306,7 +316,8 @@ class BatchStream:
     runtime's; the loader never asks torch.distributed itself); ``resampled`` draws each epoch's
     shards with replacement (the WebDataset "resampled" mode, but seeded); ``holdout`` leaves
     the held-out split out (see the module docs); ``split`` is its :func:`training_split` when the
-    caller has it already.
+    caller has it already; ``lanes`` (default: one per loader worker) is replaced by the saved
+    position's on :meth:`restore`.
     """
 
     def __init__(

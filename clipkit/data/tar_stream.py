@@ -52,17 +52,23 @@ class Traffic:
 
 
 class CountedSource(io.RawIOBase):
-    """A readable stream whose bytes are counted as ``fetched`` as they come in."""
+    """A readable stream whose bytes are counted as ``fetched`` as they come in; for an fsspec
+    file, the bytes its block cache asked the store for (read-ahead included)."""
 
     def __init__(self, inner, meter: Meter) -> None:
-        self.inner, self.meter = inner, meter
+        self.inner, self.meter, self.requested = inner, meter, 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         count = self.inner.readinto(buffer)
-        self.meter("fetched", count or 0)
+        requested = getattr(getattr(self.inner, "cache", None), "total_requested_bytes", None)
+        if isinstance(requested, int):
+            self.meter("fetched", requested - self.requested)
+            self.requested = requested
+        else:
+            self.meter("fetched", count or 0)
         return count
 
     def close(self) -> None:
