@@ -347,10 +347,11 @@ def test_processes_share_an_epoch_of_a_streamed_set_without_overlap(shards, serv
 
 
 @pytest.mark.slow
-def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, server, tmp_path):
-    """kill -9 of a `clipkit train` process streaming a mixture (HTTP + pipe:) once a checkpoint
-    exists, then --resume: the same weights, optimiser state and data position as a run never
-    killed (SIGTERM is covered above; here no handler runs at all)."""
+@pytest.mark.parametrize("data", ["mixture", "local"])
+def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, server, tmp_path, data):
+    """kill -9 of a `clipkit train` process streaming a mixture (HTTP + pipe:), or reading a local
+    shard directory, once a checkpoint exists, then --resume: the same weights, optimiser state
+    and data position as a run never killed (SIGTERM is covered above; here no handler runs)."""
     from test_graceful_stop import assert_same_weights, newest
     from test_runtime import newest_step
 
@@ -358,9 +359,10 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
         [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2},
          {"shards": f"pipe:cat {shards}/{BRACES}", "num_samples": 96}]
     )  # fmt: skip
+    source = f"data.mixture={mixture}" if data == "mixture" else f"data.shards={shards}"
     # Two loader workers: two lanes, each read by one worker (the bytes of the epoch read once).
     overrides = ["train.steps=30", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
-                 "eval=[]", f"data.mixture={mixture}", "data.num_workers=2"]  # fmt: skip
+                 "eval=[]", source, "data.num_workers=2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def command(run_dir: Path, *extra: str) -> list[str]:
