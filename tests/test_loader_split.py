@@ -218,3 +218,23 @@ def test_s3_fetches_each_shard_once_per_epoch(shards):
     assert same(got, local)
     # What the block cache asked the store for: each shard once, whole (they are under a block).
     assert sum(batches.bytes_fetched.values()) == sum(batches.bytes_read.values()) == shard_bytes(shards)
+
+
+def test_a_missing_shard_is_counted_once_and_its_lane_still_fills_its_batches(shards, server):
+    import shutil
+
+    gappy = shards.parent / "gappy"
+    if not gappy.exists():
+        shutil.copytree(shards, gappy)
+        (gappy / "shard-000003.tar").unlink()  # listed in the manifest, gone from the server
+    url = f"{server.url}/gappy/{ALL}"
+    from clipkit.data.epoch_plan import ReadPolicy
+    from clipkit.data.remote import Patience
+
+    policy = ReadPolicy(Patience(timeout=1.0, retries=0, backoff=0.01))
+    # 8 lanes of one shard each: the lane of the missing shard reads the others' again.
+    for lanes, workers in ((2, 0), (2, 2), (8, 0), (8, 2)):
+        batches = stream(url, num_workers=workers, lanes=lanes, policy=policy)
+        got = take(batches, 16)
+        assert all(len(b["index"]) == 8 for b in got), (lanes, workers)
+        assert batches.shards_skipped["http_404"] >= 1

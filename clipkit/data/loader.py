@@ -515,7 +515,7 @@ class BatchStream:
         times = workers // math.gcd(workers, self.lanes)
         if times > 1 and self.rank == 0 and not self.told_sharing:
             print(
-                f"data: {workers} loader workers over {self.lanes} lanes (the number the run started "
+                f"data: {workers} loader workers over {self.lanes} lane(s) (the number the run started "
                 f"with): each byte is read {times} times; data.num_workers={self.lanes} reads it once",
                 file=sys.stderr,
                 flush=True,
