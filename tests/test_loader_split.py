@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,26 @@ def test_a_missing_shard_is_counted_once_and_its_lane_still_fills_its_batches(sh
         got = take(batches, 16)
         assert all(len(b["index"]) == 8 for b in got), (lanes, workers)
         assert batches.shards_skipped["http_404"] >= 1
+
+
+def test_a_lane_starting_inside_a_local_shard_seeks_to_its_member(shards, server):
+    """3 lanes of 6, 5 and 5 batches: a cut falls inside a shard. A local lane starting there reads
+    only the headers of the members before it; over HTTP (no seeking) it reads those members."""
+    local = stream(shards, num_workers=0, lanes=3)
+    http = stream(f"{server.url}/shapes/{ALL}", num_workers=0, lanes=3)
+    assert same(take(local, 16), take(http, 16))
+    size = shard_bytes(shards)
+    local_read, http_read = sum(local.bytes_read.values()), sum(http.bytes_read.values())
+    assert size < local_read < http_read
+    # Over the data, a local lane reads: the header blocks (with their pax blocks) of the members
+    # up to its first, one byte per member as tarfile checks the end, and the lane before the cut
+    # may read into the next 10 KiB tar record.
+    plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
+    cuts = [s for lane in range(3) for s in plan.lane_segments(lane, 3, 8) if s.start > 0]
+    assert cuts
+    allowed = 0
+    for segment in cuts:
+        with tarfile.open(segment.url) as tar:
+            members = tar.getmembers()[: 3 * segment.start + 1]  # 3 members a sample, and the first
+        allowed += sum(m.offset_data - m.offset + 1 for m in members) + tarfile.RECORDSIZE
+    assert local_read - size <= allowed

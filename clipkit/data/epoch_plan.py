@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipkit.data.remote import Patience, ShardUnavailable, redact
-from clipkit.data.tar_stream import Meter, ignore, tar_records
+from clipkit.data.tar_stream import Meter, ignore, seekable, tar_records
 from clipkit.errors import DataError
 
 
@@ -167,11 +167,15 @@ def read_segments(
     faults = faults if faults is not None else []
     produced = 0
     for segment in segments:
-        records = tar_records(segment.url, policy.patience, meter)
+        # A local tar is entered at the segment's first member (its headers before are read, not
+        # its members): the segments of a shard split between lanes share no bytes.
+        skip = segment.start if holdout <= 0 and seekable(segment.url) else 0
+        records = tar_records(segment.url, policy.patience, meter, skip)
         kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         position = segment.start
         try:
-            for record in itertools.islice(kept, segment.start, segment.stop):
+            stop = None if segment.stop is None else segment.stop - skip
+            for record in itertools.islice(kept, segment.start - skip, stop):
                 if segment.first_index is not None:
                     record["__index__"] = segment.first_index + position
                 position += 1

@@ -20,7 +20,7 @@ import tarfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from clipkit.data.remote import Patience, ShardUnavailable, open_shard
+from clipkit.data.remote import Patience, ShardUnavailable, open_shard, scheme_of
 
 MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
 READ_BUFFER = 1 << 20
@@ -101,10 +101,24 @@ def ignore(kind: str, count: int) -> None:
     del kind, count
 
 
-def tar_records(url: str, patience: Patience = Patience(), meter: Meter = ignore) -> Iterator[dict[str, Any]]:
-    """The records of the tar at ``url``, in tar order (close the generator to stop early);
-    ``meter`` counts the bytes fetched and read."""
+def seekable(url: str) -> bool:
+    """A local file: a segment starting mid-shard seeks to its first member instead of reading
+    the members before it."""
+    return scheme_of(url) == ""
+
+
+def tar_records(
+    url: str, patience: Patience = Patience(), meter: Meter = ignore, skip: int = 0
+) -> Iterator[dict[str, Any]]:
+    """The records of the tar at ``url``, in tar order (close the generator to stop early), from
+    its ``skip``-th on (only for a :func:`seekable` one); ``meter`` counts the bytes fetched and read."""
+    offset = member_offset(url, skip, meter) if skip else 0
     raw = open_shard(url, patience)
+    if offset is None:  # fewer records than skip: nothing to give (the caller counts it short)
+        raw.close()
+        return
+    if offset:
+        raw.seek(offset)
     stream = CountedReader(io.BufferedReader(CountedSource(raw, meter), READ_BUFFER), meter)
     try:
         yield from group_members(url, stream)
@@ -135,3 +149,45 @@ def group_members(url: str, stream) -> Iterator[dict[str, Any]]:
             record[field] = tar.extractfile(member).read()
     if record:
         yield record
+
+
+class CountedFile:
+    """A local file read with seeks (tar headers only), its bytes counted as read and fetched."""
+
+    def __init__(self, inner, meter: Meter) -> None:
+        self.inner, self.meter = inner, meter
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.inner.read(size)
+        self.meter("read", len(data))
+        self.meter("fetched", len(data))
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.inner.tell()
+
+
+def member_offset(url: str, record: int, meter: Meter) -> int | None:
+    """Byte offset of the first member (its first header block) of the ``record``-th record of
+    the local tar at ``url``, found by reading the headers only (tarfile seeks over the data);
+    None when the tar has fewer records."""
+    try:
+        with open(url, "rb") as raw, tarfile.open(fileobj=CountedFile(raw, meter), mode="r:") as tar:
+            key, seen = None, -1
+            while (member := tar.next()) is not None:
+                match = MEMBER_NAME.match(member.name)
+                if not member.isfile() or match is None or match.group(1) == key:
+                    continue
+                key, seen = match.group(1), seen + 1
+                if seen == record:
+                    return member.offset
+    except OSError as error:
+        raise ShardUnavailable(url, "unreachable", str(error)) from error
+    except (tarfile.TarError, EOFError, ValueError) as error:
+        raise ShardUnavailable(
+            url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})"
+        ) from error
+    return None
