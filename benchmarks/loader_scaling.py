@@ -48,22 +48,48 @@ def child(spec: str, workers: int, lanes: int | None, batch_size: int) -> dict:
     transform = ImageTransform(image_size=224, mean=(0.5,) * 3, std=(0.25,) * 3, crop_scale=(0.9, 1.0))
     stream = BatchStream(spec, batch_size=batch_size, transform=transform, tokenizer=None, seed=0,
                          shuffle_buffer=64, num_workers=workers, lanes=lanes)  # fmt: skip
+    time_iterations()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu, wall = time.process_time(), time.perf_counter()
-    images = 0
+    images, working, first = 0, {}, None
     for batch in stream.loader(0, 0):  # the whole epoch: the workers exit and are waited for
-        stream.count(batch.pop("data_stats"))
+        first = time.process_time() if first is None else first
+        stats = batch.pop("data_stats")
+        worker, seconds = stats.pop("cpu")
+        working[worker] = seconds
+        stream.count(stats)
         images += len(batch["index"])
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     children = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
         "images": images,
-        "cpu": time.process_time() - cpu + children,
+        # The workers' CPU while iterating, and this process's after the first batch: the cost
+        # per image without the workers' start and exit (fixed per worker and per epoch).
+        "cpu": sum(working.values()) + time.process_time() - first,
+        "cpu_all": time.process_time() - cpu + children,  # start-up and exit included
         "wall": wall,
         "read": sum(stream.bytes_read.values()),
         "fetched": sum(stream.bytes_fetched.values()),
     }
+
+
+def time_iterations() -> None:
+    """Each batch carries (worker, its CPU seconds since it began iterating)."""
+    import torch
+
+    from clipkit.data.loader import EpochDataset
+
+    iterate = EpochDataset.__iter__
+
+    def timed(self):
+        info = torch.utils.data.get_worker_info()
+        start = time.process_time()
+        for batch in iterate(self):
+            batch["data_stats"]["cpu"] = (info.id if info else -1, time.process_time() - start)
+            yield batch
+
+    EpochDataset.__iter__ = timed
 
 
 def measure(spec: str, workers: int, lanes: int | None, batch_size: int) -> dict:
@@ -86,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rows", type=int, default=1024, help="a table's rows repeated to this many")
     parser.add_argument("--per-shard", type=int, default=32, help="samples per shard")
+    parser.add_argument("--shared-workers", default="1,16", help="worker counts run with one lane too")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
@@ -101,44 +128,48 @@ def main() -> None:
         try:
             wait_for_port(port, server)
             sources = {"local": str(shards), "HTTP": f"http://127.0.0.1:{port}/shards/{pattern}"}
-            runs = [(s, w, d) for s in sources for w in workers for d in DESIGNS]
+            shared = [int(w) for w in args.shared_workers.split(",") if w]
+            runs = [(s, w, "lanes") for s in sources for w in workers]
+            runs += [(s, w, "shared (before)") for s in sources for w in shared]
             results: dict[tuple, list[dict]] = {run: [] for run in runs}
             for round_ in range(args.rounds):
                 random.Random(round_).shuffle(runs)
                 for source, count, design in runs:
-                    results[(source, count, design)].append(
-                        measure(sources[source], count, DESIGNS[design], args.batch_size)
-                    )
+                    result = measure(sources[source], count, DESIGNS[design], args.batch_size)
+                    results[(source, count, design)].append(result)
+                    print(json.dumps([round_, source, count, design, result]), file=sys.stderr, flush=True)
                 print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
         finally:
             server.terminate()
             server.wait()
-    report(results, sources, workers, size, args)
+    report(results, sources, size, args)
 
 
-def report(results, sources, workers, size, args) -> None:
+def report(results, sources, size, args) -> None:
     import torch
 
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, data {args.data}, {args.rows} "
           f"samples in shards of {args.per_shard} ({size / 2**20:.1f} MiB), batch {args.batch_size}, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")  # fmt: skip
     columns = ["source", "workers", "design", "CPU ms/image, median (min–max)", "× 1 worker, per round",
-               "img/s wall", "bytes read / data"]  # fmt: skip
+               "with start-up, ms/image", "img/s wall", "bytes read / data"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for source in sources:
         for design in DESIGNS:
-            base = [r["cpu"] / r["images"] for r in results[(source, workers[0], design)]]
-            for count in workers:
+            counts = sorted(count for (s, count, d) in results if s == source and d == design)
+            base = [r["cpu"] / r["images"] for r in results[(source, counts[0], design)]]
+            for count in counts:
                 rows = results[(source, count, design)]
                 per_image = [1000 * r["cpu"] / r["images"] for r in rows]
                 ratios = [p / (1000 * b) for p, b in zip(per_image, base, strict=True)]
                 rate = statistics.median(r["images"] / r["wall"] for r in rows)
+                whole = statistics.median(1000 * r["cpu_all"] / r["images"] for r in rows)
                 read = statistics.median(r["read"] / size for r in rows)
                 print(
                     f"| {source} | {count} | {design} | {statistics.median(per_image):.2f} "
                     f"({min(per_image):.2f}–{max(per_image):.2f}) | {statistics.median(ratios):.2f} "
-                    f"({min(ratios):.2f}–{max(ratios):.2f}) | {rate:.0f} | {read:.2f}× |"
+                    f"({min(ratios):.2f}–{max(ratios):.2f}) | {whole:.2f} | {rate:.0f} | {read:.2f}× |"
                 )
 
 
