@@ -4,9 +4,12 @@ lanes (one lane: every worker reads all the bytes and decodes its share), from l
 loopback HTTP server (127.0.0.1 only), in interleaved rounds.
 
 Each measurement is one epoch of :class:`clipkit.data.loader.BatchStream` (224 px training
-tensors, torch on one thread per process) in a fresh child process, so that its CPU time — its own
-plus its loader workers', which it waits for (``RUSAGE_CHILDREN``) — is the loader's alone; the
-HTTP server runs in its own process and is not counted. Bytes read and fetched come from the
+tensors, torch on one thread per process) in a fresh child process. Its CPU time per image is the
+workers' CPU time while they iterate (each batch carries it) plus the child's after the first
+batch: the per-image cost, without the workers' start and exit, which are fixed per worker and per
+epoch and would swamp a short epoch; the whole process CPU time (the child's and its waited-for
+workers', ``RUSAGE_CHILDREN``) is given too. The HTTP server runs in its own process and is not
+counted. Bytes read and fetched come from the
 loader's counters, as a multiple of the shards' size. The table gives, per (source, workers,
 design), the median (min–max) over rounds of the CPU milliseconds per image, the per-round ratio
 to one worker of the same design and source, images/s (wall clock, which other jobs on the
