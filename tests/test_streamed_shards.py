@@ -298,10 +298,12 @@ def test_evaluation_reads_a_streamed_set_in_place(shards, server):
 
 
 def test_streamed_batches_do_not_depend_on_the_number_of_workers(shards, server):
+    # They depend on the lanes (by default one per worker, saved with the position), not the workers.
     pipe = {"shards": f"pipe:cat {shards}/shard-{{000000..000002}}.tar", "num_samples": 48}
     mixture = [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2}, pipe]
-    one = take(stream(None, mixture=mixture, num_samples=96), 6)
+    one = take(stream(None, mixture=mixture, num_samples=96, lanes=2), 6)
     assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=2), 6), one)
+    assert same(take(stream(None, mixture=mixture, num_samples=96, num_workers=1, lanes=2), 6), one)
 
 
 @pytest.fixture(scope="module")
@@ -345,10 +347,11 @@ def test_processes_share_an_epoch_of_a_streamed_set_without_overlap(shards, serv
 
 
 @pytest.mark.slow
-def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, server, tmp_path):
-    """kill -9 of a `clipkit train` process streaming a mixture (HTTP + pipe:) once a checkpoint
-    exists, then --resume: the same weights, optimiser state and data position as a run never
-    killed (SIGTERM is covered above; here no handler runs at all)."""
+@pytest.mark.parametrize("data", ["mixture", "local"])
+def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, server, tmp_path, data):
+    """kill -9 of a `clipkit train` process streaming a mixture (HTTP + pipe:), or reading a local
+    shard directory, once a checkpoint exists, then --resume: the same weights, optimiser state
+    and data position as a run never killed (SIGTERM is covered above; here no handler runs)."""
     from test_graceful_stop import assert_same_weights, newest
     from test_runtime import newest_step
 
@@ -356,8 +359,10 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
         [{"shards": f"{server.url}/shapes/{BRACES}", "weight": 2},
          {"shards": f"pipe:cat {shards}/{BRACES}", "num_samples": 96}]
     )  # fmt: skip
+    source = f"data.mixture={mixture}" if data == "mixture" else f"data.shards={shards}"
+    # Two loader workers: two lanes, each read by one worker (the bytes of the epoch read once).
     overrides = ["train.steps=30", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
-                 "eval=[]", f"data.mixture={mixture}"]  # fmt: skip
+                 "eval=[]", source, "data.num_workers=2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def command(run_dir: Path, *extra: str) -> list[str]:

@@ -1,5 +1,6 @@
-"""An epoch's reading: the shard segments one process reads (:class:`EpochPlan`), and reading them
-(:func:`read_segments`) with the fault policy (:class:`ReadPolicy`): see :mod:`clipkit.data.loader`."""
+"""An epoch's reading: the shard segments one process reads (:class:`EpochPlan`), cut into lanes
+(:func:`lane_range`) that loader workers read apart, and reading them (:func:`read_segments`)
+with the fault policy (:class:`ReadPolicy`): see :mod:`clipkit.data.loader`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipkit.data.remote import Patience, ShardUnavailable, redact
-from clipkit.data.tar_stream import tar_records
+from clipkit.data.tar_stream import Meter, ignore, seekable, tar_records
 from clipkit.errors import DataError
 
 
@@ -20,12 +21,18 @@ from clipkit.errors import DataError
 class Segment:
     """Samples [start, stop) (positions within the tar) of one shard; ``stop`` None: to its end.
     ``first_index``: the global index of the tar's first sample, when counts give it (streamed
-    sets); None: each sample's json ``index`` is its global index (clipkit shard directories)."""
+    sets); None: each sample's json ``index`` is its global index (clipkit shard directories).
+    ``count``: the shard's samples when known (a segment with ``stop == count`` reads to its end)."""
 
     url: str
     start: int
     stop: int | None
     first_index: int | None = None
+    count: int | None = None
+
+    @property
+    def ends_shard(self) -> bool:
+        return self.stop is None or (self.count is not None and self.stop >= self.count)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,41 @@ class Faults(list):
         if url not in self.failed:
             self.failed.add(url)
             self.append((reason, redact(url)))
+
+
+def lane_quotas(batches: int, lanes: int) -> list[int]:
+    """Full batches of each lane: the epoch's batch j is lane (j mod lanes)'s (j // lanes)-th."""
+    return [len(range(lane, batches, lanes)) for lane in range(lanes)]
+
+
+def lane_range(lane: int, lanes: int, batches: int, batch_size: int, samples: int) -> tuple[int, int]:
+    """Lane ``lane``'s contiguous part [start, stop) of a stream of ``samples`` samples giving
+    ``batches`` batches: exactly its quota of samples; the last lane also takes the samples left
+    over (fewer than a batch and a half), so that with one lane the whole stream is one lane."""
+    quotas = lane_quotas(batches, lanes)
+    start = sum(quotas[:lane]) * batch_size
+    stop = samples if lane == lanes - 1 else start + quotas[lane] * batch_size
+    return start, stop
+
+
+def cut_segments(segments, start: int, stop: int) -> tuple[Segment, ...]:
+    """The samples [start, stop) of the concatenated ``segments`` (each with a ``stop``), as
+    segments: whole ones kept as they are, the first and last cut at sample boundaries."""
+    cut, offset = [], 0
+    for segment in segments:
+        length = segment.stop - segment.start
+        low, high = max(start - offset, 0), min(stop - offset, length)
+        if low < high:
+            whole = low == 0 and high == length
+            cut.append(
+                segment
+                if whole
+                else Segment(
+                    segment.url, segment.start + low, segment.start + high, segment.first_index, segment.count
+                )  # fmt: skip
+            )
+        offset += length
+    return tuple(cut)
 
 
 @dataclass(frozen=True)
@@ -82,44 +124,79 @@ class EpochPlan:
         for url, count in ordered:
             start, stop = max(low - offset, 0), min(high - offset, count)
             if start < stop:
-                segments.append(Segment(url, start, stop, (first_indices or {}).get(url)))
+                segments.append(Segment(url, start, stop, (first_indices or {}).get(url), count))
             offset += count
         # The same count on every rank (from total, not from this rank's range, which may be one
         # sample longer): every rank steps the same number of times per epoch. The samples left
         # over (fewer than a global batch) wait for a later epoch, whose new order leaves out others.
         return cls(tuple(segments), (total // world_size) // batch_size)
 
+    @property
+    def samples(self) -> int:
+        return sum(segment.stop - segment.start for segment in self.segments)
+
+    def lane_segments(self, lane: int, lanes: int, batch_size: int) -> tuple[Segment, ...]:
+        return cut_segments(self.segments, *lane_range(lane, lanes, self.batches, batch_size, self.samples))
+
+    def lane_records(
+        self, lane: int, lanes: int, batch_size: int, holdout: float, policy: ReadPolicy, faults: list,
+        meter_of=None,
+    ) -> Iterator[dict[str, Any]]:  # fmt: skip
+        """Lane ``lane``'s records of this epoch (with one lane: the rank's); ``meter_of(0)`` counts
+        the bytes (the plan's one source)."""
+        own = self.lane_segments(lane, lanes, batch_size)
+        return records_refilled(
+            own, self.segments, holdout, policy, faults, meter_of(0) if meter_of else ignore
+        )
+
     def records(self, holdout: float, policy: ReadPolicy, faults: list) -> Iterator[dict[str, Any]]:
-        """The rank's records of this epoch; when shards were skipped, the readable segments are
-        read again until the consumer has its batches (so every rank keeps its batch count)."""
-        while True:
-            produced = yield from read_segments(self.segments, holdout, policy, faults)
-            if not getattr(faults, "failed", faults):
-                return
-            if not produced:
+        """The rank's records of this epoch (one lane)."""
+        return self.lane_records(0, 1, 1, holdout, policy, faults)
+
+
+def records_refilled(own, fallback, holdout: float, policy: ReadPolicy, faults: list, meter: Meter = ignore):
+    """The records of segments ``own``; when shards were skipped, the readable segments are read
+    again (``fallback``, the rank's, when none of ``own`` could be read) until the consumer has its
+    batches, so every rank keeps its batch count."""
+    segments = own
+    while True:
+        produced = yield from read_segments(segments, holdout, policy, faults, meter)
+        if not getattr(faults, "failed", faults):  # nothing failed this epoch
+            return
+        if not produced:
+            if segments == fallback or not fallback:
                 raise DataError(f"no shard of this epoch could be read ({fault_summary(faults)})")
+            segments = fallback
 
 
-def read_segments(segments, holdout: float = 0.0, policy: ReadPolicy | None = None, faults=None):
+def read_segments(
+    segments, holdout: float = 0.0, policy: ReadPolicy | None = None, faults=None, meter: Meter = ignore
+):
     """Raw WebDataset records (bytes per field) of each segment, in order; with ``holdout``, the
     positions count the kept samples only (the held-out ones are skipped before slicing). A
     record of a segment with a ``first_index`` carries its global index as ``__index__``. A shard
-    that fails is handled by ``policy`` (faults are appended to ``faults``); returns how many
-    records were produced."""
+    that fails is handled by ``policy`` (faults are appended to ``faults``); ``meter`` counts the
+    bytes; returns how many records were produced."""
     policy = policy or ReadPolicy()
     faults = faults if faults is not None else Faults()
     produced = 0
     for segment in segments:
         if segment.url in getattr(faults, "failed", ()):
             continue  # failed earlier this epoch: counted once, not fetched again
-        records = tar_records(segment.url, policy.patience)
+        # A local tar is entered at the segment's first member (its headers before are read, not
+        # its members): the segments of a shard split between lanes share no bytes.
+        skip = segment.start if holdout <= 0 and seekable(segment.url) else 0
+        records = tar_records(segment.url, policy.patience, meter, skip)
         kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         position = segment.start
         try:
-            for record in itertools.islice(kept, segment.start, segment.stop):
+            stop = None if segment.stop is None else segment.stop - skip
+            for record in itertools.islice(kept, segment.start - skip, stop):
                 if segment.first_index is not None:
                     record["__index__"] = segment.first_index + position
                 position += 1
+                if position == segment.stop and segment.ends_shard:
+                    next(kept, None)  # read the tar's end before the last record goes: all bytes counted
                 produced += 1
                 yield record
             if segment.stop is not None and position < segment.stop:

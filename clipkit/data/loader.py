@@ -6,11 +6,15 @@ Instead each epoch is planned from the manifest's per-shard counts, identically 
 1. the shards are put in a seeded order (a permutation, or with ``resampled`` a draw with
    replacement), giving one stream of samples;
 2. rank r of W takes the contiguous range [r·N/W, (r+1)·N/W) of that stream (so each tar is read
-   by at most two ranks), shuffles it with a buffer seeded by (seed, epoch, rank), and cuts it
-   into ``(N // W) // B`` full batches — the same count on every rank, so collectives never wait;
-3. global batch j of the rank goes to DataLoader worker (j − skip) mod workers. Every worker reads
-   the rank's records (tar I/O only) but decodes only its own batches, so the batches — and a
-   resumed run — are the same for any number of workers.
+   by at most two ranks) and makes ``K = (N // W) // B`` full batches of it — the same count on
+   every rank, so collectives never wait;
+3. the range is cut into L lanes, contiguous parts holding exactly the samples of their batches:
+   batch j is lane (j mod L)'s (:func:`~clipkit.data.epoch_plan.lane_range`; cuts fall between
+   tar members). Each lane is shuffled with a buffer seeded by (seed, epoch, rank, lane);
+4. batch j goes to DataLoader worker (j − skip) mod workers, which reads only the lanes of its
+   batches: with the workers dividing L, every byte is read once per epoch. L is the number of
+   workers the run started with, saved in the position, so the batches — and a resumed run —
+   are the same for any number of workers; with one lane this is the loader from before lanes.
 
 Every global index therefore appears at most once per epoch, and exactly once when N is a
 multiple of W·B (otherwise fewer than W·B samples, different ones each epoch, wait for the next).
@@ -27,6 +31,7 @@ import bisect
 import collections
 import itertools
 import json
+import math
 import random
 import re
 import sys
@@ -44,12 +49,14 @@ from clipkit.data.epoch_plan import (
     Faults,
     ReadPolicy,
     Segment,
+    lane_quotas,
     read_segments,
     record_key,
     record_meta,
 )
 from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
+from clipkit.data.tar_stream import Traffic
 from clipkit.data.transforms import ImageTransform, decode_transformed
 from clipkit.errors import ClipkitError, DataError
 
@@ -165,6 +172,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         held_out=(),
         policy=None,
         require_index=False,
+        lanes=1,
     ):
         self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
@@ -172,20 +180,27 @@ class EpochDataset(torch.utils.data.IterableDataset):
         self.meta_keys = dict(meta_keys or {})
         self.holdout, self.positions = holdout, TrainingSplit([], tuple(held_out))
         self.policy, self.require_index = policy or ReadPolicy(), require_index
-        self.faults = Faults()  # this epoch's failed shards (each fetched and reported once)
+        self.lanes = max(1, int(lanes))
 
-    def record_batches(self) -> Iterator[list[dict[str, Any]]]:
-        """The rank's batches of raw records, in order (identical in every worker)."""
+    def lane_batches(self, lane: int, traffic: Traffic) -> Iterator[tuple[list[dict[str, Any]], list]]:
+        """Lane ``lane``'s batches of raw records, in order, each with the shard faults met while
+        it was filled (the lane's quota of batches; with one lane, the rank's)."""
         import webdataset as wds
 
-        records = self.plan.records(self.holdout, self.policy, self.faults)
+        faults = Faults()  # this lane's failed shards this epoch (each fetched and reported once)
+        records = self.plan.lane_records(
+            lane, self.lanes, self.batch_size, self.holdout, self.policy, faults, traffic.meter
+        )
         if self.shuffle_buffer > 1:
-            # One stream per rank (every worker computes the same); the trailing ":0" keeps the seed
-            # string of the earlier per-worker loader, so single-process order is unchanged.
-            rng = random.Random(f"samples:{self.seed}:{self.epoch}:{self.rank}:0")
+            # One stream per (rank, lane), the same in every worker reading the lane; with one lane
+            # the seed string is the rank's of the loader before lanes ("…:0": its worker 0).
+            rng = random.Random(f"samples:{self.seed}:{self.epoch}:{self.rank}:{lane}")
             records = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(records)
-        for _ in range(self.plan.batches):
-            yield list(itertools.islice(records, self.batch_size))
+        reported = 0
+        for _ in range(lane_quotas(self.plan.batches, self.lanes)[lane]):
+            batch = list(itertools.islice(records, self.batch_size))
+            met, reported = faults[reported:], len(faults)
+            yield batch, met
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         # The one error boundary of the loader: a user-facing error raised here — in a worker
@@ -200,19 +215,33 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def batches(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        # Every worker walks the whole (cheap, undecoded) record stream and keeps every num_workers-th
-        # batch: the batch order then depends only on the plan and seeds, never on the worker count,
-        # and DataLoader's round-robin over workers hands the batches back in that order. Counting
-        # from skip_batches (a resumed run) keeps worker 0 first, as DataLoader expects.
-        reported = 0
-        for position, records in enumerate(self.record_batches()):
+        # Batch j of the epoch is lane (j mod L)'s, and DataLoader takes batch j from worker
+        # (j - skip) mod W (round robin, counting from the resumed position). So worker w needs the
+        # lanes congruent to skip + w modulo gcd(W, L): with W dividing L each lane is read by one
+        # worker (every byte once); otherwise W / gcd workers read each lane and decode only their
+        # own batches. Either way the batches depend on the plan, the seeds and L, never on W.
+        sharing = math.gcd(num_workers, self.lanes)
+        group = (self.skip_batches + worker) % sharing
+        traffic = Traffic()
+        lanes = {
+            lane: self.lane_batches(lane, traffic) for lane in range(self.lanes) if lane % sharing == group
+        }
+        mine = range(self.skip_batches + worker, self.plan.batches, num_workers)
+        for position in range(mine[-1] + 1 if mine else 0):  # nothing is read past this worker's last batch
+            lane = position % self.lanes
+            if lane not in lanes:
+                continue
+            records, faults = next(lanes[lane])
             if len(records) < self.batch_size:
                 return  # an unreadable shard cut the epoch short (already counted)
-            # Shards skipped while this batch was filled are reported once, by the batch's worker.
-            faults, reported = self.faults[reported:], len(self.faults)
-            if position >= self.skip_batches and (position - self.skip_batches) % num_workers == worker:
+            # A lane's faults are reported once, with the batch being filled, by its worker.
+            if position in mine:
                 batch = self.collate(records)
-                batch["data_stats"] = {"sources": source_counts(records), "faults": faults}
+                batch["data_stats"] = {
+                    "sources": source_counts(records),
+                    "faults": faults,
+                    "bytes": traffic.take(),
+                }
                 yield batch
 
     def collate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -319,7 +348,8 @@ class BatchStream:
     runtime's; the loader never asks torch.distributed itself); ``resampled`` draws each epoch's
     shards with replacement (the WebDataset "resampled" mode, but seeded); ``holdout`` leaves
     the held-out split out (see the module docs); ``split`` is its :func:`training_split` when the
-    caller has it already.
+    caller has it already; ``lanes`` (default: one per loader worker) is replaced by the saved
+    position's on :meth:`restore`.
     """
 
     def __init__(
@@ -343,7 +373,11 @@ class BatchStream:
         num_samples=0,
         policy=None,
         require_index=False,
+        lanes=None,
     ):
+        # Lanes: the parts of each epoch the loader workers read apart (module docs); they shape
+        # the order, so a run keeps the number it started with (saved with its position).
+        self.lanes = max(1, int(num_workers)) if lanes is None else max(1, int(lanes))
         from clipkit.app.own_data import holdout_rule
 
         self.holdout, self.policy = holdout_rule(holdout), policy or ReadPolicy()
@@ -357,6 +391,11 @@ class BatchStream:
         self.sources, self.first_indices, self.source_names = None, None, [redact(str(shards))]
         self.samples_seen: collections.Counter = collections.Counter()
         self.shards_skipped: collections.Counter = collections.Counter()
+        # Bytes the tar readers took and fetched per source name since this process started (not
+        # saved: a resumed run reads the consumed part of its epoch again, and that is traffic too).
+        self.bytes_read: collections.Counter = collections.Counter()
+        self.bytes_fetched: collections.Counter = collections.Counter()
+        self.told_sharing = False
         if mixture is None and (split is not None or is_clipkit_directory(shards)):
             self.split = split if split is not None else training_split(shards, self.holdout)
             self.shards, self.num_samples = self.split.counts, self.split.num_samples
@@ -402,20 +441,29 @@ class BatchStream:
             "batch_in_epoch": self.batch_in_epoch,
             "samples_seen": dict(self.samples_seen),
             "shards_skipped": dict(self.shards_skipped),
+            "lanes": self.lanes,
         }
 
     def restore(self, position: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(position["epoch"]), int(position["batch_in_epoch"])
         self.samples_seen = collections.Counter(position.get("samples_seen") or {})
         self.shards_skipped = collections.Counter(position.get("shards_skipped") or {})
+        # A position saved before lanes existed was read as one stream: one lane replays it exactly.
+        self.lanes = max(1, int(position.get("lanes", 1)))
 
     def metrics(self) -> dict[str, float]:
-        """Samples this process took from each source, and shards it skipped by reason, so far."""
-        found = {
-            f"data/samples/{metric_label(self.source_names.index(name), name)}": float(count)
-            for name, count in self.samples_seen.items()
-            if name in self.source_names
-        }
+        """Samples this process took from each source, and shards it skipped by reason, so far;
+        bytes its tar readers read and fetched per source since it started."""
+        found = {}
+        for kind, counter in (("samples", self.samples_seen), ("bytes_read", self.bytes_read),
+                              ("bytes_fetched", self.bytes_fetched)):  # fmt: skip
+            found.update(
+                {
+                    f"data/{kind}/{metric_label(self.source_names.index(name), name)}": float(count)
+                    for name, count in counter.items()
+                    if name in self.source_names
+                }
+            )
         found.update(
             {f"data/skipped/{reason}": float(count) for reason, count in self.shards_skipped.items()}
         )
@@ -443,6 +491,9 @@ class BatchStream:
     def count(self, stats: dict[str, Any]) -> None:
         for source, number in stats["sources"].items():
             self.samples_seen[self.source_names[source]] += number
+        for source, traffic in stats.get("bytes", {}).items():
+            self.bytes_read[self.source_names[source]] += traffic["read"]
+            self.bytes_fetched[self.source_names[source]] += traffic["fetched"]
         for reason, url in stats["faults"]:
             self.shards_skipped[reason] += 1
             print(f"data: skipped shard {url} ({reason})", file=sys.stderr, flush=True)
@@ -490,5 +541,20 @@ class BatchStream:
             held_out=self.split.held_out,
             policy=self.policy,
             require_index=self.require_index,
+            lanes=self.lanes,
         )
+        self.tell_sharing()
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+
+    def tell_sharing(self) -> None:
+        """Once, on process 0: when the workers do not divide the lanes, some read a lane together."""
+        workers = max(1, self.num_workers)
+        times = workers // math.gcd(workers, self.lanes)
+        if times > 1 and self.rank == 0 and not self.told_sharing:
+            print(
+                f"data: {workers} loader workers over {self.lanes} lane(s) (the number the run started "
+                f"with): each byte is read {times} times; data.num_workers={self.lanes} reads it once",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.told_sharing = True

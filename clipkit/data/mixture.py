@@ -1,13 +1,16 @@
 """Epochs over streamed sources: a weighted mixture of shard sets (one set is a mixture of one).
 
-Each source gives this rank an endless record stream: pass k over the source takes its shards in
-an order seeded by (seed, epoch, source, k) — with counts, rank r reads the contiguous range
-[r·N/W, (r+1)·N/W) of that order (:class:`~clipkit.data.loader.EpochPlan`); without counts, the
-shards at positions r, r+W, r+2W, ... — and a new pass starts where the last one ends. The
-mixture draws each sample's source with probabilities proportional to the weights, from a
-generator seeded by (seed, epoch, rank). Everything is a pure function of the seed, the epoch
-and the rank, so an epoch replays exactly: a resumed run skips the consumed batches' records
-without decoding them and continues with the very samples the uninterrupted run would see.
+Each source gives each of this rank's L lanes an endless record stream: pass k over the source
+takes its shards in an order seeded by (seed, epoch, source, k) — with counts, rank r reads the
+contiguous range [r·N/W, (r+1)·N/W) of that order (:class:`~clipkit.data.loader.EpochPlan`), and
+lane l the l-th of L equal contiguous parts of it; without counts, rank r reads the shards at
+positions r, r+W, r+2W, ... and lane l every L-th of those (or, with fewer shards than lanes, every
+L-th record of them) — and a new pass starts where the last one ends. Each lane draws each
+sample's source with probabilities proportional to the weights, from a generator seeded by
+(seed, epoch, rank, lane). Everything is a pure function of the seed, the epoch, the rank and
+the number of lanes, so an epoch replays exactly: a resumed run skips the consumed batches'
+records without decoding them and continues with the very samples the uninterrupted run would
+see. With one lane the streams are those of the rank (the order before lanes existed).
 
 A sample's global index is its source's offset (the sizes of the sources listed before it) plus
 its index within the source (:mod:`clipkit.data.shard_sets`).
@@ -22,8 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, fault_summary, read_segments
+from clipkit.data.epoch_plan import EpochPlan, ReadPolicy, Segment, cut_segments, fault_summary, read_segments
 from clipkit.data.shard_sets import ShardSet
+from clipkit.data.tar_stream import Meter, ignore
 from clipkit.errors import DataError
 
 
@@ -47,10 +51,15 @@ def source_records(
     resampled: bool,
     policy: ReadPolicy,
     faults: list,
+    lane: int = 0,
+    lanes: int = 1,
+    meter: Meter = ignore,
 ) -> Iterator[dict[str, Any]]:
-    """This rank's endless records of ``source`` (passes over its shards, see the module docs)."""
+    """Lane ``lane``'s endless records of ``source`` on this rank (passes over its shards, see
+    the module docs)."""
     shards = source.shards
     for attempt in itertools.count():
+        every = 1  # keep every record of the segments, or every lanes-th (too few shards for the lanes)
         if shards.counts is not None:
             segments = EpochPlan.build(
                 shards.entries,
@@ -62,12 +71,17 @@ def source_records(
                 resampled=resampled,
                 first_indices=shards.first_indices,
             ).segments
+            total = sum(segment.stop - segment.start for segment in segments)
+            segments = cut_segments(segments, lane * total // lanes, (lane + 1) * total // lanes)
         else:
-            segments = tuple(
-                Segment(url, 0, None)
-                for url in rank_urls(shards.urls, key, attempt, rank, world_size, resampled)
-            )
-        produced = yield from read_segments(segments, 0.0, policy, faults)
+            urls = rank_urls(shards.urls, key, attempt, rank, world_size, resampled)
+            urls, every = (urls[lane::lanes], 1) if len(urls) >= lanes else (urls, lanes)
+            segments = tuple(Segment(url, 0, None) for url in urls)
+        records = read_segments(segments, 0.0, policy, faults, meter)
+        produced = 0
+        for record in itertools.islice(records, lane if every > 1 else 0, None, every):
+            produced += 1
+            yield record
         if not produced:
             raise DataError(
                 f"{shards.shown}: no sample could be read by process {rank} "
@@ -93,8 +107,13 @@ class MixturePlan:
     world_size: int
     resampled: bool = False
 
-    def records(self, holdout: float, policy: ReadPolicy, faults: list) -> Iterator[dict[str, Any]]:
-        del holdout  # streamed sets have no held-out split (checked when the run is built)
+    def lane_records(
+        self, lane: int, lanes: int, batch_size: int, holdout: float, policy: ReadPolicy, faults: list,
+        meter_of=None,
+    ) -> Iterator[dict[str, Any]]:  # fmt: skip
+        """Lane ``lane``'s records (endless; the consumer takes its batches). ``meter_of(i)``: the
+        byte meter of source i."""
+        del holdout, batch_size  # no held-out split for streamed sets (checked when the run is built)
         streams = [
             source_records(
                 source,
@@ -104,10 +123,15 @@ class MixturePlan:
                 resampled=self.resampled,
                 policy=policy,
                 faults=faults,
+                lane=lane,
+                lanes=lanes,
+                meter=meter_of(i) if meter_of else ignore,
             )
             for i, source in enumerate(self.sources)
         ]
-        rng = random.Random(f"mixture:{self.seed}:{self.epoch}:{self.rank}")
+        # One lane: the seed string of the rank's stream before lanes existed (the same order).
+        suffix = f":{lane}" if lanes > 1 else ""
+        rng = random.Random(f"mixture:{self.seed}:{self.epoch}:{self.rank}{suffix}")
         choices, weights = range(len(self.sources)), [source.weight for source in self.sources]
         try:
             while True:
@@ -119,6 +143,10 @@ class MixturePlan:
         finally:
             for stream in streams:
                 stream.close()
+
+    def records(self, holdout: float, policy: ReadPolicy, faults: list) -> Iterator[dict[str, Any]]:
+        """The rank's records (one lane)."""
+        return self.lane_records(0, 1, 1, holdout, policy, faults)
 
 
 def global_index(record: dict[str, Any], source: StreamSource) -> int:

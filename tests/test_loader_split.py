@@ -1,0 +1,264 @@
+"""The loader reads each byte once (issue 44): an epoch's stream is cut into lanes, each read by one
+loader worker; the batches depend on the lanes, never on the number of workers; the bytes read
+and fetched per source are counted (against the shard sizes, the HTTP server's own log, and the
+bytes a ``pipe:`` command wrote); one lane is the order from before lanes, so older checkpoints
+resume exactly."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from stream_servers import http_server, moto_available, s3_server
+
+from clipkit import api
+from clipkit.data.epoch_plan import EpochPlan, cut_segments, lane_quotas, lane_range, read_segments
+from clipkit.data.loader import BatchStream, metric_label
+from clipkit.data.transforms import ImageTransform
+from clipkit.manager import make_plugin_manager
+from clipkit.registry import Registry
+
+SOURCE = "synthetic://shapes?n=128&split=train&image_size=24"
+ALL = "shard-{000000..000007}.tar"  # 8 shards of 16: an epoch of 128 samples, 16 batches of 8
+TRANSFORM = ImageTransform(image_size=16, mean=(0.5,) * 3, std=(0.25,) * 3, crop_scale=(0.5, 1.0))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("split") / "shapes"
+    api.shard(SOURCE, directory, samples_per_shard=16, registry=Registry(make_plugin_manager(autoload=False)))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(shards):
+    with http_server(shards.parent) as running:
+        yield running
+
+
+def stream(shards, **options) -> BatchStream:
+    settings = dict(batch_size=8, transform=TRANSFORM, tokenizer=None, seed=5, shuffle_buffer=20)
+    settings.update(options)
+    return BatchStream(shards, **settings)
+
+
+def take(batches, count: int) -> list[dict]:
+    iterator = iter(batches)
+    return [next(iterator) for _ in range(count)]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x["image"], y["image"]) and torch.equal(x["index"], y["index"])
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def shard_bytes(shards: Path) -> int:
+    return sum(path.stat().st_size for path in shards.glob("*.tar"))
+
+
+def test_lanes_cut_the_rank_range_into_round_robin_quotas():
+    segments = EpochPlan.build([("a", 10), ("b", 10), ("c", 7)], seed=0, epoch=0, rank=0, world_size=1,
+                               batch_size=4).segments  # fmt: skip
+    batches, total = 6, 27  # 27 samples give 6 batches of 4; 3 are left over
+    for lanes in (1, 2, 3, 4, 7):
+        quotas = lane_quotas(batches, lanes)
+        # batch j is lane (j mod lanes)'s: lane l gets the j = l, l + lanes, ... below 6
+        assert quotas == [sum(1 for j in range(batches) if j % lanes == lane) for lane in range(lanes)]
+        covered = []
+        for lane in range(lanes):
+            start, stop = lane_range(lane, lanes, batches, 4, total)
+            assert stop - start == quotas[lane] * 4 + (3 if lane == lanes - 1 else 0)
+            for segment in cut_segments(segments, start, stop):
+                covered += [(segment.url, row) for row in range(segment.start, segment.stop)]
+        every = [(s.url, row) for s in segments for row in range(s.start, s.stop)]
+        assert covered == every  # each sample in exactly one lane, in stream order
+    assert cut_segments(segments, 0, total) == segments  # one lane: the rank's own segments
+
+
+def old_order(
+    shards: Path, epoch: int, seed: int = 5, batch_size: int = 8, buffer: int = 20
+) -> list[list[int]]:
+    """The batches (global indices) of the loader before lanes, restated from its docs: the
+    rank's segments read as one stream, shuffled with a buffer seeded by (seed, epoch, rank, 0)."""
+    import webdataset as wds
+
+    from clipkit.data.loader import training_split
+    from clipkit.data.shard import decode_record
+
+    plan = EpochPlan.build(training_split(shards).counts, seed=seed, epoch=epoch, rank=0, world_size=1,
+                           batch_size=batch_size)  # fmt: skip
+    rng = random.Random(f"samples:{seed}:{epoch}:0:0")
+    records = wds.shuffle(buffer, initial=buffer, rng=rng)(read_segments(plan.segments))
+    return [
+        [decode_record(r, "x").meta["index"] for r in itertools.islice(records, batch_size)]
+        for _ in range(plan.batches)
+    ]
+
+
+def test_one_lane_is_the_order_from_before_lanes_and_an_old_position_resumes_it(shards):
+    expected = old_order(shards, epoch=1)
+    got = stream(shards, num_workers=2, lanes=1).loader(1, 0)
+    assert [b["index"].tolist() for b in got] == expected
+    # A checkpoint written before lanes existed has no "lanes" in its position: one lane, exactly.
+    resumed = stream(shards, num_workers=2)
+    assert resumed.lanes == 2
+    resumed.restore({"epoch": 1, "batch_in_epoch": 5, "samples_seen": {}, "shards_skipped": {}})
+    assert resumed.lanes == 1
+    assert [b["index"].tolist() for b in take(resumed, 11)] == expected[5:]
+
+
+@pytest.mark.parametrize("lanes", [2, 3, 4])
+def test_batches_depend_on_the_lanes_never_on_the_workers(shards, lanes):
+    reference = list(stream(shards, num_workers=0, lanes=lanes).loader(0, 0))
+    assert len(reference) == 16
+    seen = sorted(i for b in reference for i in b["index"].tolist())
+    assert seen == list(range(128))  # every index exactly once in the epoch
+    for workers in (1, 2, lanes):
+        assert same(list(stream(shards, num_workers=workers, lanes=lanes).loader(0, 0)), reference)
+    assert not same(reference, list(stream(shards, lanes=1).loader(0, 0)))  # lanes shape the order
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 4])
+def test_each_byte_is_read_once_per_epoch_whatever_the_workers(shards, workers):
+    batches = stream(shards, num_workers=workers)  # lanes: one per worker (the default)
+    take(batches, 16)  # one epoch
+    (read,) = batches.bytes_read.values()
+    (fetched,) = batches.bytes_fetched.values()
+    assert read == fetched == shard_bytes(shards)
+    metrics = batches.metrics()
+    assert metrics[f"data/bytes_read/{metric_label(0, str(shards))}"] == read
+
+
+def test_workers_that_do_not_divide_the_lanes_share_them_and_the_counters_say_so(shards, capsys):
+    # 2 workers over 1 lane (the loader before lanes): each reads everything, decodes half.
+    shared = stream(shards, num_workers=2, lanes=1)
+    take(shared, 16)
+    assert sum(shared.bytes_read.values()) == 2 * shard_bytes(shards)
+    assert "each byte is read 2 times" in capsys.readouterr().err
+    # 2 workers over 3 lanes: gcd 1, so both read all three lanes.
+    three = stream(shards, num_workers=2, lanes=3)
+    take(three, 16)
+    assert sum(three.bytes_read.values()) >= 2 * shard_bytes(shards) * 0.99
+    assert math.gcd(2, 3) == 1
+
+
+def test_http_fetches_each_shard_once_per_epoch_by_the_servers_log(shards, server):
+    url = f"{server.url}/shapes/{ALL}"
+    local = list(stream(shards, num_workers=0, lanes=2).loader(0, 0))
+    server.requests.clear()
+    batches = stream(url, num_workers=2)  # two workers, two lanes
+    assert same(take(batches, 16), local)
+    fetched = [path for path in server.requests if path.endswith(".tar")]
+    assert sorted(fetched) == sorted(f"/shapes/shard-{n:06d}.tar" for n in range(8))
+    assert sum(batches.bytes_fetched.values()) == sum(batches.bytes_read.values()) == shard_bytes(shards)
+
+
+def test_pipe_commands_write_each_shard_once_per_epoch(shards, tmp_path):
+    """Without counts (``pipe:``), lanes take every L-th shard; ``tee`` counts what the commands
+    wrote, independently of the loader's counters."""
+    log = tmp_path / "tee.bin"
+    spec = f"pipe:cat {shards}/{ALL} | tee -a {log}"
+    one = stream(spec, num_samples=128, num_workers=0, lanes=2, shuffle_buffer=0)
+    expected = take(one, 16)
+    log.unlink()
+    two = stream(spec, num_samples=128, num_workers=2, shuffle_buffer=0)
+    assert same(take(two, 16), expected)
+    assert log.stat().st_size == sum(two.bytes_fetched.values()) == shard_bytes(shards)
+
+
+def test_a_mixture_reads_the_same_bytes_with_one_or_several_workers(shards, server):
+    mixture = [
+        {"shards": f"{server.url}/shapes/{ALL}", "weight": 2},
+        {"shards": f"pipe:cat {shards}/shard-{{000000..000003}}.tar", "weight": 1, "num_samples": 64},
+    ]
+    one = stream(None, mixture=mixture, num_samples=128, num_workers=0, lanes=2)
+    two = stream(None, mixture=mixture, num_samples=128, num_workers=2)
+    assert same(take(two, 16), take(one, 16))
+    assert two.bytes_fetched == one.bytes_fetched and len(two.bytes_fetched) == 2
+    assert two.samples_seen == one.samples_seen
+    old = stream(None, mixture=mixture, num_samples=128, num_workers=2, lanes=1)
+    take(old, 16)  # both workers read the whole mixture
+    assert sum(old.bytes_read.values()) > 1.5 * sum(two.bytes_read.values())
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_resume_mid_epoch_is_exact_with_another_worker_count(shards, lanes):
+    full = take(stream(shards, num_workers=0, lanes=lanes), 21)  # into the second epoch
+    first = stream(shards, num_workers=3, lanes=lanes)
+    head = take(first, 7)
+    for workers in (0, 2):
+        resumed = stream(shards, num_workers=workers)
+        resumed.restore(first.position())
+        assert resumed.lanes == lanes
+        assert same(head + take(resumed, 14), full), workers
+
+
+def test_ranks_with_lanes_see_every_index_once(shards):
+    seen = []
+    for rank in range(2):
+        batches = stream(shards, num_workers=2, rank=rank, world_size=2).loader(0, 0)
+        seen += [i for b in batches for i in b["index"].tolist()]
+    assert sorted(seen) == list(range(128))
+
+
+@pytest.mark.skipif(not moto_available(), reason="moto[server], boto3 or s3fs not installed (the dev extra)")
+def test_s3_fetches_each_shard_once_per_epoch(shards):
+    files = {f"shapes/{path.name}": path for path in shards.glob("*.tar")}
+    files["shapes/manifest.json"] = shards / "manifest.json"
+    local = list(stream(shards, num_workers=0, lanes=2).loader(0, 0))
+    with s3_server("clipkit-split", files):
+        batches = stream(f"s3://clipkit-split/shapes/{ALL}", num_workers=2)
+        got = take(batches, 16)
+    assert same(got, local)
+    # What the block cache asked the store for: each shard once, whole (they are under a block).
+    assert sum(batches.bytes_fetched.values()) == sum(batches.bytes_read.values()) == shard_bytes(shards)
+
+
+def test_a_missing_shard_is_counted_once_and_its_lane_still_fills_its_batches(shards, server):
+    import shutil
+
+    gappy = shards.parent / "gappy"
+    if not gappy.exists():
+        shutil.copytree(shards, gappy)
+        (gappy / "shard-000003.tar").unlink()  # listed in the manifest, gone from the server
+    url = f"{server.url}/gappy/{ALL}"
+    from clipkit.data.epoch_plan import ReadPolicy
+    from clipkit.data.remote import Patience
+
+    policy = ReadPolicy(Patience(timeout=1.0, retries=0, backoff=0.01))
+    # 8 lanes of one shard each: the lane of the missing shard reads the others' again.
+    for lanes, workers in ((2, 0), (2, 2), (8, 0), (8, 2)):
+        batches = stream(url, num_workers=workers, lanes=lanes, policy=policy)
+        got = take(batches, 16)
+        assert all(len(b["index"]) == 8 for b in got), (lanes, workers)
+        assert batches.shards_skipped["http_404"] >= 1
+
+
+def test_a_lane_starting_inside_a_local_shard_seeks_to_its_member(shards, server):
+    """3 lanes of 6, 5 and 5 batches: a cut falls inside a shard. A local lane starting there reads
+    only the headers of the members before it; over HTTP (no seeking) it reads those members."""
+    local = stream(shards, num_workers=0, lanes=3)
+    http = stream(f"{server.url}/shapes/{ALL}", num_workers=0, lanes=3)
+    assert same(take(local, 16), take(http, 16))
+    size = shard_bytes(shards)
+    local_read, http_read = sum(local.bytes_read.values()), sum(http.bytes_read.values())
+    assert size < local_read < http_read
+    # Over the data, a local lane reads: the header blocks (with their pax blocks) of the members
+    # up to its first, one byte per member as tarfile checks the end, and the lane before the cut
+    # may read into the next 10 KiB tar record.
+    plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
+    cuts = [s for lane in range(3) for s in plan.lane_segments(lane, 3, 8) if s.start > 0]
+    assert cuts
+    allowed = 0
+    for segment in cuts:
+        with tarfile.open(segment.url) as tar:
+            members = tar.getmembers()[: 3 * segment.start + 1]  # 3 members a sample, and the first
+        allowed += sum(m.offset_data - m.offset + 1 for m in members) + tarfile.RECORDSIZE
+    assert local_read - size <= allowed
