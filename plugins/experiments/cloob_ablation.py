@@ -99,7 +99,7 @@ def arm_recipe(arm: str, settings: AblationSettings) -> tuple[str, list[str]]:
     from clipkit.own_data import holdout_uri, own_data_overrides
 
     variant = ARMS[arm][0]
-    spec = f"{variant}+tiny" if settings.base == "tiny" else variant
+    spec = variant if settings.base != "tiny" else f"{variant}+tiny" if "@" in variant else f"{variant}@tiny"
     data_overrides, _ = own_data_overrides(settings.data, holdout=settings.holdout, label=settings.label)
     data_overrides = [item for item in data_overrides if not item.startswith("eval=")]
     shards = json.loads(next(item for item in data_overrides if item.startswith("data.shards="))[12:])
@@ -133,9 +133,10 @@ def run_ablation(
     settings.check()
     out_dir = Path(out_dir)
     runs = []
-    for arm in settings.arms:
-        spec, overrides = arm_recipe(arm, settings)
-        for seed in settings.seeds:
+    recipes = {arm: arm_recipe(arm, settings) for arm in settings.arms}
+    for seed in settings.seeds:  # seed-major: an interrupted study still has every arm of its first seeds
+        for arm in settings.arms:
+            spec, overrides = recipes[arm]
             started = time.process_time()
             run_dir = out_dir / arm / f"seed-{seed}"
             result = api.train(spec, [*overrides, f"seed={seed}"], run_dir=run_dir, registry=registry)
@@ -156,7 +157,7 @@ def run_ablation(
             "arms": list(settings.arms),
             "seeds": list(settings.seeds),
             "warmup_steps": settings.warmup_steps,
-            "recipes": {arm: arm_recipe(arm, settings)[0] for arm in settings.arms},
+            "recipes": {arm: recipes[arm][0] for arm in settings.arms},
         },
         "runs": runs,
         **summarise(runs, list(settings.arms)),
