@@ -165,3 +165,25 @@ def test_cloob_ablation_names_bad_settings(invoke, tmp_path):
     assert outcome.exit_code == 2 and "missing.jsonl" in outcome.output
     outcome = invoke("cloob-ablation", "--data", str(tmp_path), "--arm", "hopfield_only")
     assert outcome.exit_code == 2 and "hopfield_only" in outcome.output
+
+
+def test_pmi_fidelity_reports_seed_000s_uniform_error_with_its_best_constant():
+    from clipkit.plugins.experiments.pmi_metrics import pmi_fidelity
+
+    # true − learned = [0, 0, 0, −2]: the best constant is −1, leaving |±1| at worst.
+    result = pmi_fidelity(torch.tensor([0.0, 1, 2, 5]), torch.tensor([0.0, 1, 2, 3]))
+    assert result["sup_error"] == pytest.approx(1.0)
+    assert pmi_fidelity(torch.tensor([2.0, 3, 4]), torch.tensor([0.0, 1, 2]))["sup_error"] == 0.0
+
+
+def test_pmi_study_headline_names_each_papers_measure(tmp_path):
+    from clipkit.plugins.experiments.pmi_study import run_pmi_study, study_table
+
+    study = run_pmi_study(["dot", "kme"], seeds=(0, 1), topics=3, input_dim=2, embed_dim=2, points=2,
+                          steps=2, batch_size=8, eval_batches=1)  # fmt: skip
+    table = study_table(study)
+    assert table.index("sup error (seed 000's measure)") < table.index("All metrics, ranked by Pearson r")
+    assert "InfoNCE gap (seed 003's measure)" in table and "sup − dot (paired)" in table
+    rows = {row["label"]: row for row in study["summary"]}
+    per_seed = [r["sup_error"] for run in study["runs"] for r in run["results"] if r["label"] == "kme"]
+    assert rows["kme"]["sup_error"] == pytest.approx(sum(per_seed) / 2)
