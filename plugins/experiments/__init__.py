@@ -195,6 +195,11 @@ def kme_mixture_command(
             seeds=tuple(range(seeds)),
             training=training,
             registry=registry(),
+            progress=lambda run: typer.echo(
+                f"K = {run['classes']} {run['label']} seed {run['seed']}: sup error {run['sup_error']:.3f}, "
+                f"RMS {run['rms_error']:.3f}, off-support {run['off_support']:.3f} "
+                f"({run['cpu_seconds']:.0f} CPU s)"
+            ),
         )
     except ValueError as error:  # bad K, budget or sizes
         raise ClipkitError(f"kme-mixture: {error}") from None
