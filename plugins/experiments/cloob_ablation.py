@@ -30,30 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from clipkit.errors import ClipkitError
-
-#: arm label -> (the cloob recipe's variant, loss, Hopfield on). The default recipe is CLOOB itself.
-ARMS: dict[str, tuple[str, str, bool]] = {
-    "infonce": ("cloob@infonce", "InfoNCE", False),
-    "infoloob": ("cloob@infoloob", "InfoLOOB", False),
-    "infonce_hopfield": ("cloob@infonce_hopfield", "InfoNCE", True),
-    "cloob": ("cloob", "InfoLOOB", True),
-}
+from clipkit.plugins.experiments.cloob_ablation_report import ARMS, summarise, write_report
 
 #: The paper's warm-up fraction: 20 000 warm-up steps of 175 584 (31 epochs of CC at batch 512).
 PAPER_WARMUP_FRACTION = 20_000 / 175_584
-
-#: Metrics aggregated over seeds and shown in the table: (task, key, heading, higher is better).
-HEADLINE = (
-    ("zero_shot", "top1", "zero-shot top-1", True),
-    ("zero_shot", "mean_per_class_recall", "zero-shot mean per-class recall", True),
-    ("retrieval", "mean_recall", "retrieval mean R@{1,5,10}", True),
-    ("retrieval", "i2t_R@1", "image→text R@1", True),
-    ("retrieval", "t2i_R@1", "text→image R@1", True),
-    ("diagnostics", "effective_eigenvalues_image", "effective eigenvalues (image, 99 %)", True),
-    ("diagnostics", "effective_eigenvalues_text", "effective eigenvalues (text, 99 %)", True),
-    ("diagnostics", "uniformity_image", "uniformity (image) ↓", False),
-    ("diagnostics", "uniformity_text", "uniformity (text) ↓", False),
-)
 
 
 @dataclass
@@ -128,7 +108,6 @@ def run_ablation(
 ) -> dict[str, Any]:
     """Train and evaluate every arm × seed into ``out_dir``/ARM/seed-S; aggregate; write the report."""
     from clipkit import api
-    from clipkit.plugins.experiments.cloob_ablation_report import summarise, write_report
 
     settings.check()
     out_dir = Path(out_dir)
