@@ -160,3 +160,112 @@ def nuclr_synthetic_command(
         raise ClipkitError(f"nuclr-synthetic: {error}") from None
     typer.echo((out / "nuclr_synthetic.md").read_text(encoding="utf-8"))
     typer.echo(f"wrote {out}/nuclr_synthetic.json, .md, .png")
+
+
+@experiment_app.command("kme-mixture")
+@fails_cleanly
+def kme_mixture_command(
+    out: Annotated[Path, typer.Option(help="Directory for kme_mixture.json, .md and .png")] = Path(
+        "experiments/kme-mixture"
+    ),
+    classes: Annotated[list[int], typer.Option(help="Classes K (repeatable; default 4 8 16 32)")] = None,
+    seeds: Annotated[int, typer.Option(help="Training seeds 0 … N−1 per K and similarity (≥ 2 for CIs)")] = 3,
+    budget: Annotated[int, typer.Option(help="Learned floats per datapoint, equal for every similarity")] = 8,
+    points: Annotated[
+        int, typer.Option(help="Points M per datapoint for wpse and kme (M·d + M = budget)")
+    ] = 2,
+    steps: Annotated[int, typer.Option(help="Adam steps per run")] = 1000,
+    batch_size: Annotated[int, typer.Option(help="Joint pairs per InfoNCE batch")] = 256,
+    lr: Annotated[float, typer.Option(help="Adam learning rate")] = 0.02,
+):
+    """Seed 003 §4.2: PMI approximation error of dot (CLIP), wpse and kme vs K on the K-mixture model."""
+    import time
+
+    from clipkit.commands import registry
+    from clipkit.plugins.experiments.kme_mixture import MixtureTraining, run_mixture_study
+    from clipkit.plugins.experiments.kme_mixture_report import markdown, write_study
+
+    started = time.process_time()
+    training = MixtureTraining(budget=budget, points=points, steps=steps, batch_size=batch_size, lr=lr)
+    try:
+        if seeds < 1 or steps < 1 or batch_size < 2:
+            raise ValueError("--seeds and --steps must be >= 1 and --batch-size >= 2")
+        study = run_mixture_study(
+            classes=tuple(classes or (4, 8, 16, 32)),
+            seeds=tuple(range(seeds)),
+            training=training,
+            registry=registry(),
+            progress=lambda run: typer.echo(
+                f"K = {run['classes']} {run['label']} seed {run['seed']}: sup error {run['sup_error']:.3f}, "
+                f"RMS {run['rms_error']:.3f}, off-support {run['off_support']:.3f} "
+                f"({run['cpu_seconds']:.0f} CPU s)"
+            ),
+        )
+    except ValueError as error:  # bad K, budget or sizes
+        raise ClipkitError(f"kme-mixture: {error}") from None
+    study["cpu_seconds"] = time.process_time() - started
+    write_study(study, out)
+    typer.echo(markdown(study))
+    typer.echo(f"wrote {out}/kme_mixture.json, .md, .png")
+
+
+@experiment_app.command("cloob-ablation")
+@fails_cleanly
+def cloob_ablation_command(
+    data: Annotated[str, typer.Option(help="Your image–caption table or shard directory (required)")],
+    out: Annotated[
+        Path, typer.Option(help="Directory for the runs and cloob_ablation.json, .md, .png")
+    ] = Path("experiments/cloob-ablation"),
+    label: Annotated[str, typer.Option(help="Column to classify zero-shot on the held-out split")] = None,
+    holdout: Annotated[float, typer.Option(help="Share held out (by key hash) for evaluation")] = 0.1,
+    arm: Annotated[
+        list[str],
+        typer.Option(help="Arms (repeatable): infonce, infoloob, infonce_hopfield, cloob; default all"),
+    ] = None,
+    seeds: Annotated[int, typer.Option(help="Seeds 0 … N−1 per arm (paired across arms)")] = 3,
+    steps: Annotated[int, typer.Option(help="Training steps per run")] = 200,
+    batch_size: Annotated[int, typer.Option(help="Contrastive batch")] = 256,
+    warmup_fraction: Annotated[
+        float, typer.Option(help="Warm-up as a share of the steps (paper: 20 000 / 175 584)")
+    ] = None,
+    beta: Annotated[float, typer.Option(help="Hopfield β, fixed (paper, CC: 8)")] = 8.0,
+    inverse_tau: Annotated[float, typer.Option(help="Inverse temperature 1/τ, fixed (paper: 30)")] = 30.0,
+    base: Annotated[
+        str, typer.Option(help="tiny (CPU: rn_tiny, 64 px) or paper (RN50, 224 px: a GPU)")
+    ] = "tiny",
+    set_: Annotated[
+        list[str], typer.Option("--set", help="Extra recipe override KEY=VALUE (repeatable)")
+    ] = None,
+):
+    """Seed 001 Table 3: {InfoNCE, InfoLOOB} × {Hopfield off, on}, several seeds, on your data."""
+    from clipkit.commands import registry
+    from clipkit.plugins.experiments.cloob_ablation import (
+        ARMS,
+        PAPER_WARMUP_FRACTION,
+        AblationSettings,
+        run_ablation,
+    )
+    from clipkit.plugins.experiments.cloob_ablation_report import markdown
+
+    settings = AblationSettings(
+        data=data,
+        label=label,
+        holdout=holdout,
+        steps=steps,
+        batch_size=batch_size,
+        warmup_fraction=PAPER_WARMUP_FRACTION if warmup_fraction is None else warmup_fraction,
+        beta=beta,
+        inverse_tau=inverse_tau,
+        base=base,
+        arms=tuple(arm or ARMS),
+        seeds=tuple(range(seeds)),
+        overrides=list(set_ or []),
+    )
+    report = run_ablation(
+        settings,
+        out,
+        registry=registry(),
+        progress=lambda run: typer.echo(f"{run['arm']} seed {run['seed']}: {run['cpu_seconds']:.0f} CPU s"),
+    )
+    typer.echo(markdown(report))
+    typer.echo(f"wrote {out}/cloob_ablation.json, .md, .png")

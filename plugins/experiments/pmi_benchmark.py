@@ -285,6 +285,7 @@ def _train_and_score(
         "weighted": entry.weighted,
         "pearson": fidelity["pearson"],
         "rmse": fidelity["rmse"],
+        "sup_error": fidelity["sup_error"],
         "shift": fidelity["shift"],
         "infonce": held_out_loss,
         "infonce_gap": gap,

@@ -16,7 +16,10 @@ def pmi_fidelity(learned: Tensor, true: Tensor) -> dict[str, float]:
     defined up to a constant (InfoNCE cannot see one), so ``learned`` is first shifted by the
     best constant c = mean(true − learned) (the least-squares shift).
     Returns pearson (correlation, shift- and scale-free), rmse (after the shift; in nats),
-    shift (c), and true_std (the PMI's standard deviation: the RMSE of the best constant predictor).
+    shift (c), true_std (the PMI's standard deviation: the RMSE of the best constant predictor) and
+    sup_error = min_C max |learned + C − true| = (max − min of true − learned)/2: the uniform
+    approximation error with its own best constant, the measure of seed 000's §5.1 and Thm 5.1
+    (over these pairs: an estimate from below of the sup over the whole support).
     """
     if learned.shape != true.shape:
         raise ValueError(f"learned {tuple(learned.shape)} and true {tuple(true.shape)} differ in shape")
@@ -33,6 +36,7 @@ def pmi_fidelity(learned: Tensor, true: Tensor) -> dict[str, float]:
         "rmse": float(residual.square().mean().sqrt()),
         "shift": float(shift),
         "true_std": float(b_centered.square().mean().sqrt()),
+        "sup_error": float(((b - a).max() - (b - a).min()) / 2),
     }
 
 
