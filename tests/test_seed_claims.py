@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipkit.cli import make_app
-from clipkit.manager import make_plugin_manager
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.types import PointSet
 from clipkit.plugins.experiments.kme_mixture import KMixture, approximation_error
-from clipkit.types import PointSet
 
 
 @pytest.fixture
@@ -79,8 +79,8 @@ def theorem_7_embedding(task: KMixture, dim: int = 2) -> PointSet:
 def test_kme_expresses_the_k_mixture_pmi_as_gamma_grows():
     """Theorem 7 through the registered kme similarity: the error of the construction shrinks with
     γ and is near 0 at large γ, where CLIP would need a dimension growing with K."""
+    from clipkit.contract.registry import default_registry
     from clipkit.model import build_slot
-    from clipkit.registry import default_registry
 
     task = KMixture(6)
     embedding = theorem_7_embedding(task)

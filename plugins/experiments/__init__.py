@@ -181,7 +181,7 @@ def kme_mixture_command(
     """Seed 003 §4.2: PMI approximation error of dot (CLIP), wpse and kme vs K on the K-mixture model."""
     import time
 
-    from clipkit.commands import registry
+    from clipkit.app.commands import registry
     from clipkit.plugins.experiments.kme_mixture import MixtureTraining, run_mixture_study
     from clipkit.plugins.experiments.kme_mixture_report import markdown, write_study
 
@@ -238,7 +238,7 @@ def cloob_ablation_command(
     ] = None,
 ):
     """Seed 001 Table 3: {InfoNCE, InfoLOOB} × {Hopfield off, on}, several seeds, on your data."""
-    from clipkit.commands import registry
+    from clipkit.app.commands import registry
     from clipkit.plugins.experiments.cloob_ablation import (
         ARMS,
         PAPER_WARMUP_FRACTION,

@@ -76,7 +76,7 @@ class AblationSettings:
 def arm_recipe(arm: str, settings: AblationSettings) -> tuple[str, list[str]]:
     """(recipe spec, overrides) of one arm: the ablation variant, the shared fixed settings, the
     user's data (sharded once, a held-out split evaluated) and the user's overrides last."""
-    from clipkit.own_data import holdout_uri, own_data_overrides
+    from clipkit.app.own_data import holdout_uri, own_data_overrides
 
     variant = ARMS[arm][0]
     spec = variant if settings.base != "tiny" else f"{variant}+tiny" if "@" in variant else f"{variant}@tiny"
@@ -107,7 +107,7 @@ def run_ablation(
     settings: AblationSettings, out_dir: Path, *, registry=None, progress=None
 ) -> dict[str, Any]:
     """Train and evaluate every arm × seed into ``out_dir``/ARM/seed-S; aggregate; write the report."""
-    from clipkit import api
+    from clipkit.app import api
 
     settings.check()
     out_dir = Path(out_dir)

@@ -147,7 +147,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
     """cloob_ablation.json, cloob_ablation.md and cloob_ablation.png in ``out_dir``."""
-    from clipkit.io import atomic_path, atomic_write_text
+    from clipkit.artifacts.io import atomic_path, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "cloob_ablation.json", json.dumps(report, indent=2, default=str) + "\n")

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from clipkit.types import LossContext, PointSet
+from clipkit.contract.types import LossContext, PointSet
 
 #: The similarities compared, as registry configs (clamps lifted; see the module docstring).
 MIXTURE_SIMILARITIES: tuple[dict[str, Any], ...] = (
@@ -210,8 +210,8 @@ def run_mixture_study(
 
     Returns {"config", "runs": [per run], "summary": [per similarity × K: mean ± 95 % interval],
     "trend": [per similarity: error(K_max) − error(K_min), paired over seeds], "verdict"}."""
+    from clipkit.contract.registry import default_registry
     from clipkit.plugins.experiments.kme_mixture_report import summarise
-    from clipkit.registry import default_registry
 
     training = training or MixtureTraining()
     registry = registry or default_registry()

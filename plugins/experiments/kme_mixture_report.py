@@ -111,7 +111,7 @@ def markdown(study: dict[str, Any]) -> str:
 
 def write_study(study: dict[str, Any], out_dir: Path) -> None:
     """kme_mixture.json, kme_mixture.md and kme_mixture.png (sup error vs K, 95 % error bars)."""
-    from clipkit.io import atomic_path, atomic_write_text
+    from clipkit.artifacts.io import atomic_path, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "kme_mixture.json", json.dumps(study, indent=2) + "\n")
