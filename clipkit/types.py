@@ -121,6 +121,10 @@ class PointSet(_PointSetFields):
             self.weight_normalization,
         )
 
+    def cast(self, dtype: torch.dtype) -> PointSet:
+        """The same point set with points and weights in ``dtype`` (``train.similarity_precision``)."""
+        return self._map(lambda t: t.to(dtype))
+
     def detach(self) -> PointSet:
         """The same point set cut from the autograd graph."""
         return self._map(lambda t: t.detach())
@@ -311,11 +315,19 @@ class Similarity(Protocol):
             False for batch-dependent similarities (CLOOB's Hopfield retrieval).
         uses_random_features: bool = False — the logits depend on the generator (WPSE); evaluation
             then reports mean ± std over feature seeds.
+        half_features: bool = False — accepts bf16/fp16 point sets and returns fp32 logits (the
+            products accumulated in fp32): ``train.similarity_precision: half`` hands it the
+            towers' autocast dtype instead of upcast features.
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
         tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
             logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
             int | None (optional cap on the tile side): the tiled path (``train.tiled``,
             :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
+        parameter_bounds() -> dict[str, tuple[float | None, float | None]] — bounds (low, high;
+            None: open) on the module's own learnable parameters, by attribute name; the training
+            loop clamps those parameters in place after every applied optimiser step, as open_clip
+            clamps CLIP's logit scale (the forward pass keeps the gradient). Declared by any module
+            of a similarity or loss (e.g. the ``dot`` scale inside WPSE); see :mod:`clipkit.train.bounds`.
     """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
@@ -343,6 +355,8 @@ class Loss(Protocol):
         tiled_loss(logits: TiledLogits, ctx) -> LossOutput — the same loss from row/column
             reductions of tiles (``train.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
             str — why the loss has no tiled form (``train.tiled: true`` then refuses with it).
+        parameter_bounds() -> dict — as for a Similarity: learnable loss parameters kept in bounds
+            after every optimiser step.
     """
 
     requires: frozenset[str]
@@ -357,12 +371,14 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "stateful": False,  # Loss
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
+    "half_features": False,  # Similarity: takes bf16/fp16 points, returns fp32 logits
     "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
     "score_tile": None,  # Similarity
     "score_pairs": None,  # Similarity (optional speed-up of the positives)
     "largest_tile": None,  # Similarity (optional cap on train.tile_size)
     "tiled_loss": None,  # Loss: tiled path
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
+    "parameter_bounds": None,  # any module of a Similarity or Loss: clamped after each optimiser step
     "projection_module_name": None,  # Encoder
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a
     # pretrained text tower needs, e.g. {"name": "wordpiece", "vocab": "minilm"}; None: any tokenizer.
