@@ -132,7 +132,7 @@ def open_clip_loop(model, batches, *, clamp_in_forward: bool = False) -> dict:
         if not clamp_in_forward:
             with torch.no_grad():
                 logit_scale.clamp_(0, math.log(100))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         lrs.append(lr)
         scales.append(float(logit_scale))
     return {"loss": losses, "lr": lrs, "log_scale": scales, "model": model}
@@ -162,11 +162,14 @@ def test_clipkit_trains_step_by_step_as_open_clip_from_a_scale_at_the_clamp(runs
     assert min(theirs["log_scale"]) < math.log(100.0) - 1e-3
     mine_scales = [math.log(row["logit_scale"]) for row in ours["rows"]]
     assert mine_scales == pytest.approx(theirs["log_scale"], rel=1e-12, abs=1e-12)
+    # The weights after 8 AdamW steps, to 1e-11: the attention's key bias (a third of in_proj.bias)
+    # has a true gradient of 0 (softmax ignores a per-row constant), so both runs step it by rounding
+    # noise normalised by Adam (|Δ| up to ~4e-12 over the steps); every other weight agrees to ~1e-13.
     weights = dict(theirs["model"].named_parameters())
     for name, parameter in ours["model"].named_parameters():
         if name.startswith("similarity."):
             continue
-        torch.testing.assert_close(parameter, weights[name], rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(parameter, weights[name], rtol=1e-12, atol=1e-11, msg=name)
 
 
 def test_a_scale_clamped_in_the_forward_pass_cannot_come_back_down(runs):

@@ -78,7 +78,7 @@ class Objective:
             image_rows = similarity(local_a.cast(dtype), b, generator=rt.generator(step)).i2t  # [n, N]
             text_rows = similarity(a, local_b.cast(dtype), generator=rt.generator(step)).t2i  # [n, N]
             ctx = self.context({}, a, b, step, epoch)
-            logits = Logits(i2t=image_rows.float(), t2i=text_rows.float())
+            logits = in_fp32(Logits(i2t=image_rows, t2i=text_rows))
             return self.loss(logits, rt.targets(n, offset=rt.rank * n), ctx)
         logits = in_fp32(similarity(a, b, generator=rt.generator(step)))  # the loss reduces in fp32
         ctx = self.context(self.global_fields(batch), a, b, step, epoch)
@@ -135,8 +135,13 @@ class Objective:
 
 
 def in_fp32(logits: Logits) -> Logits:
-    """The logits in fp32 (a no-op for fp32 ones): losses reduce in fp32 whatever the features."""
-    return Logits(i2t=logits.i2t.float(), t2i=logits.t2i.float())
+    """Half-precision logits upcast to fp32 (fp32 and fp64 ones as they are): losses reduce in fp32
+    at least, whatever the features."""
+    return Logits(i2t=at_least_fp32(logits.i2t), t2i=at_least_fp32(logits.t2i))
+
+
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
 
 
 def feature_dtype(setting: str, precision: str, similarity: nn.Module) -> torch.dtype:
