@@ -290,7 +290,29 @@ def bare_label_of(label: str) -> str:
     return "bare PyTorch loop" + label.partition("loop")[2].replace(", telemetry off", "")
 
 
-def print_table(summary: str, means: dict[str, list], first_steps: dict[str, float]) -> None:
+def telemetry_cpu_us(log_every: int, steps: int = 20000) -> float:
+    """CPU microseconds per step of the loop's telemetry calls alone (the data-wait timer, the
+    phase clock's start and three marks, and every ``log_every`` steps the log line's fields): a
+    figure without the noise of timing two whole loops against each other."""
+    from clipkit.train.telemetry import Telemetry
+
+    measured = Telemetry(torch.device("cpu"), 1, peak=1.0, flops_per_sample=1e9)
+    began = time.process_time()
+    for step in range(steps):
+        with measured.waiting_for_data():
+            pass
+        measured.clock.start()
+        for phase in ("forward", "backward", "optimizer"):
+            measured.clock.mark(phase)
+        measured.steps += 1
+        if (step + 1) % log_every == 0:
+            measured.interval_metrics(64, 1.0)
+    return (time.process_time() - began) / steps * 1e6
+
+
+def print_table(
+    summary: str, means: dict[str, list], first_steps: dict[str, float], log_every: int = 10
+) -> None:
     print()
     print(summary)
     print()
@@ -313,6 +335,9 @@ def print_table(summary: str, means: dict[str, list], first_steps: dict[str, flo
         on, off = means["clipkit train_loop"], means["clipkit train_loop, telemetry off"]
         ratios = [a[1] / b[1] for a, b in zip(on, off, strict=True)]
         print(f"telemetry on / off, CPU time per round: {ratio_summary(ratios)}")
+        alone = telemetry_cpu_us(log_every)
+        step_us = statistics.median(cpu for _, cpu in on) * 1e6
+        print(f"telemetry alone: {alone:.1f} µs CPU per step = {100 * alone / step_us:.3f} % of the step")
     for label in means:
         if "compile_towers" in label:
             eager = label.partition(", compile_towers")[0]
@@ -352,9 +377,9 @@ def main() -> None:
             # An empty Inductor cache, so the first compiled runner's first step is a cold compile.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")
         for spec in args.recipes:
-            runners, _, summary = runners_for(spec, args, root)
+            runners, recipe, summary = runners_for(spec, args, root)
             means, first_steps = time_runners(runners, args.steps, args.repeats)
-            print_table(summary, means, first_steps)
+            print_table(summary, means, first_steps, int(recipe["train"]["log_every"]))
 
 
 def cpu_model() -> str:
