@@ -242,7 +242,9 @@ def test_launch_train_checkpoint_resume_export(shards, strategy):
     # the parameter after the step, DeepSpeed's partitions keep the bound in the forward pass), in
     # fp32: exp(fp32(ln 100)) = 100.0000076.
     scales = [row["logit_scale"] for row in logged if "logit_scale" in row]
-    assert len(scales) == 4 and all(0 < scale <= float(torch.tensor(math.log(100.0)).exp()) for scale in scales)
+    assert len(scales) == 4 and all(
+        0 < scale <= float(torch.tensor(math.log(100.0)).exp()) for scale in scales
+    )
     if strategy == "zero3":
         assert any(key.startswith("eval/") for row in logged for key in row)  # gathered for evaluation
     # DeepSpeed's CPU inference all-reduce kernel is never compiled (a minute of g++ per environment).
