@@ -11,6 +11,9 @@ then times, on those same in-memory batches:
   the model's similarity -> cross-entropy both ways -> ``backward`` -> ``torch.optim.AdamW``
   (the same parameter groups and hyper-parameters) -> a warm-up-cosine ``LambdaLR``; every
   ``train.log_every`` steps it reads the loss as a float (what a loop's logging costs at least);
+- clipkit without telemetry: ``train_loop`` with :mod:`clipkit.train.telemetry` replaced by a
+  stand-in that measures nothing (no data-wait timer, no phase clock, no FLOP count, no telemetry
+  fields), so telemetry on / off in the same round is the telemetry's cost;
 - with ``--compile MODE`` also both loops with ``clipkit.train.compile.compile_towers(model, MODE)``:
   the towers' compile time (the first step of the untimed warm-up run) is reported apart from
   the steady step time. The Inductor cache starts empty (a temporary ``TORCHINDUCTOR_CACHE_DIR``
@@ -34,12 +37,14 @@ depend on it. One thread (``torch.set_num_threads(1)``). Usage (from the reposit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import math
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,22 +71,46 @@ def parse_args() -> argparse.Namespace:
 
 
 def clipkit_runner(
-    trainer, batches: list[dict], batch_size: int
+    trainer, batches: list[dict], batch_size: int, *, telemetry: bool = True
 ) -> Callable[[int], list[tuple[float, float]]]:
-    """Runs ``train_loop`` from step 0 to ``train.steps`` on in-memory batches."""
+    """Runs ``train_loop`` from step 0 to ``train.steps`` on in-memory batches (``telemetry``
+    False: with :class:`NoTelemetry` instead of the loop's own)."""
+    from unittest import mock
+
     from clipkit.config.recipe import section
     from clipkit.data.memory import InMemoryStream
-    from clipkit.train.loop import train_loop
+    from clipkit.train import loop
 
     def run(steps: int) -> list[tuple[float, float]]:
         assert section(trainer.recipe, "train").steps == steps
         trainer.start_step = 0
         trainer.stream = InMemoryStream(batches)
         ends = [clocks()]
-        train_loop(trainer, progress=lambda done, total, metrics: ends.append(clocks()))
+        patch = (
+            contextlib.nullcontext() if telemetry else mock.patch.object(loop, "start_telemetry", NoTelemetry)
+        )
+        with patch:
+            loop.train_loop(trainer, progress=lambda done, total, metrics: ends.append(clocks()))
         return ends
 
     return run
+
+
+class NoTelemetry:
+    """The loop's telemetry, measuring nothing: what ``train_loop`` cost before it had telemetry."""
+
+    flops_per_sample = 0.0  # never counted
+
+    def __init__(self, trainer) -> None:
+        from clipkit.train.telemetry import NoClock
+
+        self.clock, self.steps = NoClock(), 0
+
+    def waiting_for_data(self):
+        return contextlib.nullcontext()
+
+    def interval_metrics(self, samples: int, elapsed_s: float) -> dict:
+        return {}
 
 
 def bare_runner(
@@ -195,6 +224,7 @@ def runners_for(spec: str, args: argparse.Namespace, root: Path) -> tuple[dict[s
     bare_model = copy.deepcopy(initial)
     runners = {
         "clipkit train_loop": clipkit_runner(trainer, batches, batch_size),
+        "clipkit train_loop, telemetry off": clipkit_runner(trainer, batches, batch_size, telemetry=False),
         "bare PyTorch loop": bare_runner(
             bare_model, same_optimizer_for(bare_model, model, trainer.optimizer), batches, recipe
         ),
@@ -245,10 +275,32 @@ def time_runners(runners: dict[str, Callable], steps: int, repeats: int) -> tupl
 
 def bare_label_of(label: str) -> str:
     """The bare loop a row compares with: the same compile setting."""
-    return "bare PyTorch loop" + label.partition("loop")[2]
+    return "bare PyTorch loop" + label.partition("loop")[2].replace(", telemetry off", "")
 
 
-def print_table(summary: str, means: dict[str, list], first_steps: dict[str, float]) -> None:
+def telemetry_cpu_us(log_every: int, steps: int = 20000) -> float:
+    """CPU microseconds per step of the loop's telemetry calls alone (the data-wait timer, the
+    phase clock's start and three marks, and every ``log_every`` steps the log line's fields): a
+    figure without the noise of timing two whole loops against each other."""
+    from clipkit.train.telemetry import Telemetry
+
+    measured = Telemetry(torch.device("cpu"), 1, peak=1.0, flops_per_sample=1e9)
+    began = time.process_time()
+    for step in range(steps):
+        with measured.waiting_for_data():
+            pass
+        measured.clock.start()
+        for phase in ("forward", "backward", "optimizer"):
+            measured.clock.mark(phase)
+        measured.steps += 1
+        if (step + 1) % log_every == 0:
+            measured.interval_metrics(64, 1.0)
+    return (time.process_time() - began) / steps * 1e6
+
+
+def print_table(
+    summary: str, means: dict[str, list], first_steps: dict[str, float], log_every: int = 10
+) -> None:
     print()
     print(summary)
     print()
@@ -266,6 +318,14 @@ def print_table(summary: str, means: dict[str, list], first_steps: dict[str, flo
             f"{statistics.median(cpu) * 1e3:.2f} | {min(cpu) * 1e3:.2f} | "
             f"{ratio_spread(wall, bare_wall)} | {ratio_spread(cpu, bare_cpu)} | {first_steps[label]:.2f} |"
         )
+    if "clipkit train_loop, telemetry off" in means:
+        on, off = means["clipkit train_loop"], means["clipkit train_loop, telemetry off"]
+        print(
+            f"telemetry on / off, CPU time per round: {ratio_spread([a[1] for a in on], [b[1] for b in off])}"
+        )
+        alone = telemetry_cpu_us(log_every)
+        step_us = statistics.median(cpu for _, cpu in on) * 1e6
+        print(f"telemetry alone: {alone:.1f} µs CPU per step = {100 * alone / step_us:.3f} % of the step")
     for label in means:
         if "compile_towers" in label:
             eager = label.partition(", compile_towers")[0]
@@ -296,9 +356,9 @@ def main() -> None:
             # An empty Inductor cache, so the first compiled runner's first step is a cold compile.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")
         for spec in args.recipes:
-            runners, _, summary = runners_for(spec, args, root)
+            runners, recipe, summary = runners_for(spec, args, root)
             means, first_steps = time_runners(runners, args.steps, args.repeats)
-            print_table(summary, means, first_steps)
+            print_table(summary, means, first_steps, int(recipe["train"]["log_every"]))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from clipkit.config.settings_schema import Range
+from clipkit.config.settings_schema import OneOf, Range
 from clipkit.contract.hookspecs import hookimpl
 
 # Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges").
@@ -32,17 +32,56 @@ def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
+#: ``implementation`` of adamw/adam: torch's kernels for the update of all parameters.
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
+def kernel_choice(implementation: str, cuda: bool) -> dict:
+    """torch.optim's ``fused`` / ``foreach`` flags for ``implementation``.
+
+    auto: fused (one kernel for every parameter's update) when training on CUDA, where it is the
+    fastest; on the CPU torch's own default (the per-parameter loop), which keeps CPU runs and
+    their golden values as they were. The device check of ``fused`` happens at the first step, so
+    the optimiser may be built before the model moves to the GPU.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        implementation = "fused" if cuda else "default"
+    return {
+        "fused": {"fused": True, "foreach": False},
+        "foreach": {"fused": False, "foreach": True},
+        "for_loop": {"fused": False, "foreach": False},
+        "default": {},
+    }[implementation]
+
+
+def trains_on_cuda() -> bool:
+    """The runtime trains on CUDA whenever it is available (clipkit.train.runtime)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def adamw(
     named_parameters,
     lr: LR = 5e-4,
     weight_decay: NON_NEGATIVE = 0.2,
     betas: tuple[float, float] = (0.9, 0.98),
     eps: Annotated[float, Range(gt=0)] = 1e-6,
+    implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
 ):
-    """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only."""
+    """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only; fused on CUDA
+    (``implementation``: :func:`kernel_choice`)."""
     import torch
 
-    return torch.optim.AdamW(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(
+        decay_groups(named_parameters, weight_decay),
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        **kernel_choice(implementation, trains_on_cuda()),
+    )
 
 
 def adam(
@@ -51,12 +90,19 @@ def adam(
     weight_decay: NON_NEGATIVE = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: Annotated[float, Range(gt=0)] = 1e-8,
+    implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
 ):
     """Adam with L2 weight decay coupled into the gradient (y-Aware, seed 002: lr 1e-3, wd 5e-5),
-    on matrices only."""
+    on matrices only; fused on CUDA (``implementation``: :func:`kernel_choice`)."""
     import torch
 
-    return torch.optim.Adam(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.Adam(
+        decay_groups(named_parameters, weight_decay),
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        **kernel_choice(implementation, trains_on_cuda()),
+    )
 
 
 def sgd(

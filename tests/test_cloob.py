@@ -340,8 +340,13 @@ def test_scale_fixed_by_default_learnable_and_clamped_on_request():
     learned = HopfieldSimilarity(inverse_tau=150.0, learn_scale=True)
     assert learned.scale().item() == pytest.approx(100.0)
     points = unit([[1.0, 0.0], [0.0, 1.0]])
-    learned(points, points).i2t.sum().backward()
-    assert learned.log_inverse_tau.grad.item() == 0.0  # no gradient above the clamp, as CLIP
+    logits = learned(points, points).i2t
+    logits.sum().backward()
+    # Started above the bound, clamped to it at construction; at the bound the gradient flows,
+    # d(Σ logits)/d log(1/τ) = Σ logits (the parameter is clamped after each optimiser step, as CLIP's).
+    assert learned.log_inverse_tau.grad.item() == pytest.approx(logits.sum().item(), rel=1e-5)
+    assert learned.parameter_bounds() == {"log_inverse_tau": (None, pytest.approx(math.log(100.0)))}
+    assert fixed.parameter_bounds() == {}
 
 
 def test_ensemble_is_mean_of_unit_vectors_renormalised():

@@ -24,10 +24,20 @@ def test_hand_derived_logit():
 def test_clip_init_and_clamp():
     assert DotSimilarity().scale().item() == pytest.approx(1 / 0.07, rel=1e-6)
     similarity = DotSimilarity(init_scale=500.0, max_scale=100.0)
+    assert similarity.scale().item() == pytest.approx(100.0)  # the start is clamped to the bound
+    assert similarity.parameter_bounds() == {"log_scale": (None, pytest.approx(math.log(100.0)))}
+    similarity(unit([1.0, 0.0]), unit([1.0, 0.0])).i2t.sum().backward()
+    # At the bound the gradient flows, d(s·1)/dt = s (open_clip clamps the parameter after the step).
+    assert similarity.log_scale.grad.item() == pytest.approx(100.0, rel=1e-6)
+    # A parameter beyond its bound (an older checkpoint) is held to it in the forward pass.
+    with torch.no_grad():
+        similarity.log_scale.fill_(math.log(500.0))
+    similarity.log_scale.grad = None
     assert similarity.scale().item() == pytest.approx(100.0)
     similarity(unit([1.0, 0.0]), unit([1.0, 0.0])).i2t.sum().backward()
-    # Above the clamp the temperature receives no gradient (as CLIP's clamp).
     assert similarity.log_scale.grad.item() == 0.0
+    assert DotSimilarity(learn_scale=False).parameter_bounds() == {}
+    assert DotSimilarity(max_scale=None).parameter_bounds() == {}
 
 
 def test_scale_is_learnable_or_fixed():

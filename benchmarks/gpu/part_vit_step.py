@@ -26,7 +26,17 @@ Then, while the budget (80 s for the part) lasts, the largest batch that fits, p
 setting: doubling from 256 until ``torch.cuda.OutOfMemoryError`` (one step per size; both models
 and their AdamW state stay resident, ~3.6 GiB; clipkit's trainer keeps its batch plan of 256,
 which matters only for gradient accumulation, off here).
-``torch.compile`` only with ``CLIPKIT_GPU_VIT_COMPILE=1`` (cold compiles do not fit the budget).
+``torch.compile`` only with ``CLIPKIT_GPU_VIT_COMPILE=1`` (cold compiles do not fit the budget);
+its first step (the warm compile) is reported apart from the steady samples/s.
+
+Issue 38's configurations: a third side, clipkit with ``train.similarity_precision=half`` (the
+features enter the similarity in bf16, fp32 logits and loss); per side and configuration the MFU
+(model FLOPs per sample from ``torch.utils.flop_counter`` on clipkit's model — 3x the towers'
+forward; open_clip's model has the same architecture and count — over the device's peak: the bf16
+ceiling part_ceilings.py measured when it ran, else the data sheet by device name); for the clipkit
+sides, the training loop's own telemetry over a few steps of ``train_loop`` (data-wait share, MFU,
+forward / backward / optimizer milliseconds, as the log line reports them); and samples/s with MFU
+at the largest batch that fits.
 
 Rehearsal (``CLIPKIT_GPU_REHEARSAL=1``, CPU): ``clip@tiny``'s encoders (vit_tiny,
 text_transformer_tiny, 48 px, context 16) at batch 8 in fp32 (CPU bf16 is slow and proves
@@ -62,6 +72,7 @@ from common import (
     parse_out,
     peak_memory,
     pick,
+    read_ceilings,
     rehearsal,
     write_part,
 )
@@ -76,7 +87,12 @@ BATCH = pick(256, 8)
 PRECISION = pick("bf16", "no")
 #: How figures name the model and precision (a rehearsal's tiny fp32 model is not ViT-B/16 in bf16).
 MODEL = pick("ViT-B/16 bf16", "tiny ViT fp32 (rehearsal)")
-GOAL = ">= 1.1x open_clip samples/s at <= its peak memory"
+GOAL = ">= 1.3x open_clip samples/s at <= its peak memory"
+MFU_GOAL = ">= 45 % MFU"
+#: Steps of clipkit's train_loop whose telemetry (data wait, MFU, step split) is recorded per configuration.
+LOOP_STEPS = pick(4, 2)
+#: Filled in main(): model FLOPs of one training sample and the device's peak TFLOP/s with its source.
+MFU_BASIS: dict = {}
 
 
 def left() -> float:
@@ -123,9 +139,7 @@ def make_batch(size: int, image_size: int, context: int, vocab: int, seed: int, 
 class ClipkitSide:
     """clipkit's trainer on the ``clip`` recipe (``clip@tiny`` in a rehearsal), fed in-memory batches."""
 
-    name = "clipkit"
-
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, name: str = "clipkit", overrides: tuple[str, ...] = ()) -> None:
         from clipkit.app.api import resolve
         from clipkit.contract.hookspecs import hookimpl
         from clipkit.contract.manager import make_plugin_manager
@@ -133,6 +147,7 @@ class ClipkitSide:
         from clipkit.data.memory import InMemoryStream
         from clipkit.train.build import build_trainer, prepare_run_dir
 
+        self.name = name
         self.batches: list[dict] = []
         batches = self.batches
 
@@ -154,6 +169,7 @@ class ClipkitSide:
             "train.eval_every=0",
             "train.export=false",
             *pick([], ["train.threads=1"]),  # tiny ops: more threads only wait for each other on a busy CI
+            *overrides,
         ]
         recipe = resolve(pick("clip", "clip@tiny"), overrides, registry)
         prepare_run_dir(recipe, run_dir, resume=False)
@@ -192,6 +208,28 @@ class ClipkitSide:
 
     def zero_grad(self) -> None:
         self.trainer.optimizer.zero_grad(set_to_none=True)
+
+    def loop_telemetry(self, steps: int, peak: float | None) -> dict:
+        """The last metrics of ``steps`` steps of clipkit's own ``train_loop`` from where this side
+        is (its log line: samples/s per device, data-wait share, MFU against ``peak``, the step
+        split); no checkpoint is written."""
+        import dataclasses
+        from unittest import mock
+
+        from clipkit.train import loop
+
+        trainer = self.trainer
+        trainer.start_step = self.step_index
+        trainer.settings = dataclasses.replace(
+            trainer.settings,
+            steps=self.step_index + steps,
+            log_every=steps,
+            peak_tflops=peak if peak else "auto",
+        )
+        with mock.patch.object(loop, "save_trainer", lambda trainer, step: None):
+            metrics = loop.train_loop(trainer)
+        self.step_index += steps
+        return metrics
 
 
 def import_open_clip():
@@ -350,6 +388,9 @@ def measure_config(
         if name == "clipkit" and not checkpointing:
             entry["key"] = "clipkit_samples_per_s"
         figures.append(entry)
+        mfu_figure(figures, f"{name} {MODEL} MFU, batch {BATCH}, {label}", rates[name])
+        if isinstance(side, ClipkitSide):
+            telemetry_figures(side, label, figures, skipped)
         if memory[name] is not None:
             figures.append(
                 figure(
@@ -360,21 +401,23 @@ def measure_config(
                     "state excluded; gradients and activations included)",
                 )
             )
-    if "clipkit" in rates and "open_clip" in rates:
-        ratio = rates["clipkit"] / rates["open_clip"]
-        per_round = [o / c for c, o in zip(times["clipkit"], times["open_clip"], strict=True)]
+    for name in [side for side in rates if side.startswith("clipkit")]:
+        if "open_clip" not in rates:
+            break
+        ratio = rates[name] / rates["open_clip"]
+        per_round = [o / c for c, o in zip(times[name], times["open_clip"], strict=True)]
         memory_ok = None
-        if memory["clipkit"] is not None and memory["open_clip"] is not None:
-            memory_ok = memory["clipkit"] <= memory["open_clip"]
-        met = None if memory_ok is None else (ratio >= 1.1 and memory_ok)
+        if memory[name] is not None and memory["open_clip"] is not None:
+            memory_ok = memory[name] <= memory["open_clip"]
+        met = None if memory_ok is None else (ratio >= 1.3 and memory_ok)
         memory_note = "; memory not measured (CPU)"
         if memory_ok is not None:
-            mine, theirs = gib(memory["clipkit"]), gib(memory["open_clip"])
-            memory_note = f"; peak memory clipkit {mine:.2f} GiB vs open_clip {theirs:.2f} GiB"
-        log(f"clipkit / open_clip, {label}: {ratio:.3f}x{memory_note[1:]}")
+            mine, theirs = gib(memory[name]), gib(memory["open_clip"])
+            memory_note = f"; peak memory {name} {mine:.2f} GiB vs open_clip {theirs:.2f} GiB"
+        log(f"{name} / open_clip, {label}: {ratio:.3f}x{memory_note[1:]}")
         figures.append(
             figure(
-                f"clipkit / open_clip samples/s, {MODEL}, batch {BATCH}, {label}",
+                f"{name} / open_clip samples/s, {MODEL}, batch {BATCH}, {label}",
                 ratio,
                 "x",
                 goal=GOAL,
@@ -382,6 +425,53 @@ def measure_config(
                 note=f"per-round ratios {min(per_round):.3f}-{max(per_round):.3f}{memory_note}",
             )
         )
+
+
+def mfu_figure(figures: list, name: str, samples_per_s: float) -> None:
+    """MFU of a measured rate: model FLOPs per sample x samples/s over the device's peak."""
+    flops, peak = MFU_BASIS.get("flops_per_sample"), MFU_BASIS.get("peak_tflops")
+    if not flops or not peak:
+        return
+    value = 100 * flops * samples_per_s / (peak * 1e12)
+    figures.append(
+        figure(
+            name,
+            value,
+            "%",
+            goal=MFU_GOAL,
+            met=value >= 45,
+            note=f"{flops / 1e9:.1f} GFLOP per training sample (3x the towers' forward, torch.utils."
+            f"flop_counter) over {peak:.0f} TFLOP/s ({MFU_BASIS['peak_source']})",
+        )
+    )
+
+
+def telemetry_figures(side: ClipkitSide, label: str, figures: list, skipped: list) -> None:
+    """What clipkit's own log line says over a few steps of ``train_loop`` in this configuration."""
+    if left() < 10:
+        skipped.append(f"{side.name}, {label}: train_loop telemetry not run (budget)")
+        return
+    try:
+        metrics = side.loop_telemetry(LOOP_STEPS, MFU_BASIS.get("peak_tflops"))
+    except Exception as error:  # noqa: BLE001
+        failure(skipped, f"{side.name}, {label}: train_loop telemetry failed", error)
+        return
+    split = ", ".join(
+        f"{key.removesuffix('_ms')} {metrics[key]:.1f} ms"
+        for key in ("forward_ms", "backward_ms", "optimizer_ms")
+        if isinstance(metrics.get(key), float)
+    )
+    note = f"train_loop's log line over {LOOP_STEPS} steps, in-memory batches on the device; {split}"
+    log(f"{side.name}, {label}, train_loop telemetry: " + ", ".join(
+        f"{k} {v:.3g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("acc")
+    ))  # fmt: skip
+    figures.append(
+        figure(
+            f"{side.name} data-wait share (log line), {label}", metrics["data_wait_share"], "share", note=note
+        )
+    )
+    if isinstance(metrics.get("mfu"), float):
+        figures.append(figure(f"{side.name} MFU (log line), {label}", 100 * metrics["mfu"], "%", note=note))
 
 
 def largest_batch(side, clipkit: ClipkitSide, dev: torch.device, step_ms: float | None) -> dict | None:
@@ -456,10 +546,39 @@ def largest_batch_figures(
                 f"{name} largest batch (powers of 2 from {BATCH}), {MODEL}, {label}",
                 found["fits"],
                 "samples",
-                note=f"{bound}; one step per size; both models and their AdamW state resident",
+                note=f"{bound}; one step per size; every side's model and AdamW state resident",
             )
         )
+        largest_batch_rate(side, clipkit, dev, found["fits"], label, figures, skipped)
         save()
+
+
+def largest_batch_rate(side, clipkit, dev, size: int, label: str, figures: list, skipped: list) -> None:
+    """samples/s and MFU at the largest batch that fits: 2 timed steps after one warm-up."""
+    if left() < 15:
+        skipped.append(f"{side.name}, {label}: samples/s at batch {size} not measured (budget)")
+        return
+    try:
+        batches = [make_batch(size, clipkit.image_size, clipkit.context, clipkit.vocab, 11, dev)]
+        times = interleaved_ms({side.name: runner(side, batches, 1)}, warmup=1, rounds=2)[side.name]
+    except Exception as error:  # noqa: BLE001
+        failure(skipped, f"{side.name}, {label}: batch {size} timing failed", error)
+        side.zero_grad()
+        free_memory()
+        return
+    batches = None
+    side.zero_grad()
+    free_memory()
+    rate = median([size / (ms * 1e-3) for ms in times])
+    figures.append(
+        figure(
+            f"{side.name} {MODEL} step, batch {size} (largest), {label}",
+            rate,
+            "samples/s",
+            note=f"{len(times)} rounds of 1 step after 1 warm-up",
+        )  # fmt: skip
+    )
+    mfu_figure(figures, f"{side.name} {MODEL} MFU, batch {size} (largest), {label}", rate)
 
 
 def main() -> None:
@@ -487,6 +606,17 @@ def main() -> None:
         make_batch(BATCH, clipkit.image_size, clipkit.context, clipkit.vocab, seed, dev) for seed in (1, 2)
     ]
     clipkit.batches.extend(batches)
+    try:
+        half = ClipkitSide(
+            run_root / "run-half", "clipkit bf16 similarity", ("train.similarity_precision=half",)
+        )
+        half.model.load_state_dict(clipkit.model.state_dict())
+        half.batches.extend(batches)
+        sides[half.name] = half
+    except Exception as error:  # noqa: BLE001
+        failure(skipped, "clipkit bf16 similarity: building the trainer failed", error)
+    mfu_basis(clipkit, batches[0], out, dev, skipped)
+    extra["mfu_basis"] = dict(MFU_BASIS)
     try:
         sides["open_clip"] = OpenClipSide(dev, clipkit)
         log(f"open_clip model built: {sides['open_clip'].summary}")
@@ -520,6 +650,26 @@ def main() -> None:
     log(f"done in {extra['wall_s']} s")
 
 
+def mfu_basis(clipkit: ClipkitSide, batch: dict, out: Path, dev: torch.device, skipped: list) -> None:
+    """MFU_BASIS: model FLOPs per training sample (clipkit's count) and the device's peak."""
+    from clipkit.train.telemetry import peak_tflops, training_flops_per_sample
+
+    try:
+        runtime = clipkit.trainer.runtime
+        MFU_BASIS["flops_per_sample"] = training_flops_per_sample(
+            clipkit.model, batch, BATCH, runtime.autocast()
+        )
+        measured = read_ceilings(out).get("bf16_tflops" if PRECISION == "bf16" else "fp32_tflops")
+        if measured:
+            MFU_BASIS.update(peak_tflops=measured, peak_source="measured by part_ceilings.py")
+        else:
+            setting = "auto" if dev.type == "cuda" else "measure"
+            peak, source = peak_tflops(setting, dev, PRECISION)
+            MFU_BASIS.update(peak_tflops=peak, peak_source=source)
+    except Exception as error:  # noqa: BLE001
+        failure(skipped, "MFU basis (FLOP count or peak) failed", error)
+
+
 def compiled_step(sides: dict, batches: list[dict], figures: list, skipped: list) -> None:
     """Optional: both sides with their towers compiled (clipkit's ``compile_towers``, open_clip's
     ``model.compile()``), first step (compile) and steady samples/s."""
@@ -545,9 +695,13 @@ def compiled_step(sides: dict, batches: list[dict], figures: list, skipped: list
                     f"{name} {MODEL} step, batch {BATCH}, torch.compile",
                     rate,
                     "samples/s",
-                    note=f"first step (compile) {first:.1f} s",
+                    note="steady state; the warm compile is the figure below, apart",
                 )
             )
+            figures.append(
+                figure(f"{name} torch.compile first step (compile)", first, "s", note="cold Inductor cache")
+            )
+            mfu_figure(figures, f"{name} {MODEL} MFU, batch {BATCH}, torch.compile", rate)
         except Exception as error:  # noqa: BLE001
             failure(skipped, f"{name}, torch.compile failed", error)
 

@@ -466,12 +466,14 @@ def file_report(export_dir: Path, output: Path, report: dict, scored: str | None
 
 
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
-    """Compare runs: their loss curves overlaid (``out``/loss.png) and, for runs with an eval report
+    """Compare runs: their loss curves overlaid (``out``/loss.png), their step telemetry (samples/s
+    per device, MFU, data-wait share, step split, peak memory: ``out``/telemetry.png) and, for runs
+    with an eval report
     (``eval.json``, else the newest in ``eval-index.json``), every eval result side by side
     (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
     baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
     from clipkit.artifacts.io import check_output_path
-    from clipkit.eval.report import plot_loss_curves, write_comparison
+    from clipkit.eval.report import plot_loss_curves, telemetry_metrics, write_comparison
     from clipkit.eval.report_index import read_eval_report, read_eval_reports
 
     runs = [Path(run) for run in runs]
@@ -486,6 +488,9 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
         if (run / "metrics.jsonl").is_file() or read_eval_report(run) is None
     }
     written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
+    telemetry = telemetry_metrics(curves)  # samples/s per device, MFU, data wait, step split, memory
+    if telemetry:
+        written.append(plot_loss_curves(curves, out / "telemetry.png", telemetry))
     evals = read_eval_reports(dict(zip(labels, runs, strict=True)))
     if evals:
         written += write_comparison(evals, out / "eval.json")

@@ -626,6 +626,14 @@ def parse_pairs(items: list[str], typed: bool = False) -> list[tuple[str, object
     return pairs
 
 
+#: Telemetry on the progress bar: (metrics key, label, scale; 100 = a percentage).
+PROGRESS_TELEMETRY = (
+    ("samples_per_s_per_device", "samples/s/device", 1),
+    ("mfu", "MFU", 100),
+    ("data_wait_share", "data wait", 100),
+)
+
+
 class step_progress:
     """A rich progress bar on stderr, hidden when stderr is not a terminal.
 
@@ -653,8 +661,12 @@ class step_progress:
 
         def report(advance: int = 0, *, completed=None, total=None, metrics: dict | None = None) -> None:
             """Advance by ``advance`` or jump to ``completed`` (resumed runs start mid-way)."""
-            loss = (metrics or {}).get("loss")
+            loss, metrics = (metrics or {}).get("loss"), metrics or {}
             status = f"loss {loss:.4f}" if isinstance(loss, float) else ""
+            for key, label, scale in PROGRESS_TELEMETRY:  # samples/s per device, MFU, data wait
+                if isinstance(metrics.get(key), float):
+                    unit = "%" if scale == 100 else ""
+                    status += f"  {label} {metrics[key] * scale:.3g}{unit}"
             self.progress.update(self.task, advance=advance, completed=completed, total=total, status=status)
 
         return report

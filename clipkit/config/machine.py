@@ -166,3 +166,17 @@ def check(value, key: str, minimum: int) -> str | None:
     if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
         return None
     return f"{key}: must be auto or an integer >= {minimum}, got {value!r}"
+
+
+#: ``train.peak_tflops`` words (clipkit.train.telemetry): look the GPU up by name, or time a matmul.
+PEAK_CHOICES = ("auto", "measure")
+
+
+def peak_problem(value: object) -> str | None:
+    """``train.peak_tflops``: "auto" (look up the GPU by name), "measure" (time a matmul at start)
+    or a number > 0 (TFLOP/s of one device); a message when it is none of these."""
+    if value in PEAK_CHOICES:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return None
+    return f"train.peak_tflops: must be auto, measure or a number > 0 (TFLOP/s per device), got {value!r}"

@@ -706,7 +706,7 @@ def _check_augment(data: dict) -> list[str]:
 
 
 def _check_machine(data: Any, train: Any) -> list[str]:
-    from clipkit.config.machine import check
+    from clipkit.config.machine import check, peak_problem
 
     problems = []
     if isinstance(data, dict):
@@ -716,6 +716,7 @@ def _check_machine(data: Any, train: Any) -> list[str]:
             problems.append(f"data.holdout: must be in [0, 1), got {holdout}")
     if isinstance(train, dict):
         problems.append(check(train.get("threads", "auto"), "train.threads", 1))
+        problems.append(peak_problem(train.get("peak_tflops", "auto")))
     return [problem for problem in problems if problem]
 
 

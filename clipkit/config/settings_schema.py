@@ -132,6 +132,13 @@ class TrainConfig:
     checkpoint_every: Annotated[int, POSITIVE] = 500
     keep_checkpoints: Annotated[int, NON_NEGATIVE] = 2
     precision: Annotated[str, OneOf(("no", "bf16", "fp16"))] = "no"  # "no" (fp32), "bf16", "fp16"
+    # The features entering the similarity: "fp32" (upcast; exact, the default) or "half" (under
+    # bf16/fp16 on CUDA, the towers' dtype: the logits GEMM on tensor cores with fp32 accumulation,
+    # the logits then upcast so the loss reduces in fp32; similarities that declare half_features)
+    similarity_precision: Annotated[str, OneOf(("fp32", "half"))] = "fp32"
+    # One device's peak TFLOP/s for the logged MFU: auto (looked up by GPU name; none on a CPU),
+    # measure (a matmul timed at start) or a number (clipkit.train.telemetry)
+    peak_tflops: float | str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # max global grad norm; 0 = off
     export: bool = True  # export RUN/export at the end (and run the recipe's eval tasks)
     # run the recipe's eval tasks on the in-memory model every N steps; 0 = off

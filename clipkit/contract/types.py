@@ -121,6 +121,10 @@ class PointSet(_PointSetFields):
             self.weight_normalization,
         )
 
+    def cast(self, dtype: torch.dtype) -> PointSet:
+        """The same point set with points and weights in ``dtype`` (``train.similarity_precision``)."""
+        return self._map(lambda t: t.to(dtype))
+
     def detach(self) -> PointSet:
         """The same point set cut from the autograd graph."""
         return self._map(lambda t: t.detach())
@@ -314,6 +318,9 @@ class Similarity(Protocol):
             False for batch-dependent similarities (CLOOB's Hopfield retrieval).
         uses_random_features: bool = False — the logits depend on the generator (WPSE); evaluation
             then reports mean ± std over feature seeds.
+        half_features: bool = False — accepts bf16/fp16 point sets and returns fp32 logits (the
+            products accumulated in fp32): ``train.similarity_precision: half`` hands it the
+            towers' autocast dtype instead of upcast features.
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
         tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
             logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
@@ -321,6 +328,11 @@ class Similarity(Protocol):
             :mod:`clipkit.tiled.contract`); tiled_unsupported: str — why not.
         fused_form() -> clipkit.tiled.fused.AffineDot | None — the tiles are scale·a[0]·b[0]ᵀ + bias,
             so the fused Triton kernels may score them (:mod:`clipkit.tiled.fused`).
+        parameter_bounds() -> dict[str, tuple[float | None, float | None]] — bounds (low, high;
+            None: open) on the module's own learnable parameters, by attribute name; the training
+            loop clamps those parameters in place after every applied optimiser step, as open_clip
+            clamps CLIP's logit scale (the forward pass keeps the gradient). Declared by any module
+            of a similarity or loss (e.g. the ``dot`` scale inside WPSE); see :mod:`clipkit.train.bounds`.
     """
 
     def __call__(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits: ...
@@ -350,6 +362,8 @@ class Loss(Protocol):
             str — why the loss has no tiled form (``train.tiled: true`` then refuses with it).
         fused_reductions: bool = False — ``tiled_loss`` may run in the fused Triton kernels (its
             reductions use the named terms of :mod:`clipkit.tiled.terms`; :mod:`clipkit.tiled.fused`).
+        parameter_bounds() -> dict — as for a Similarity: learnable loss parameters kept in bounds
+            after every optimiser step.
     """
 
     requires: frozenset[str]
@@ -364,6 +378,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "stateful": False,  # Loss
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
+    "half_features": False,  # Similarity: takes bf16/fp16 points, returns fp32 logits
     "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
     "score_tile": None,  # Similarity
     "score_pairs": None,  # Similarity (optional speed-up of the positives)
@@ -372,6 +387,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "tiled_unsupported": None,  # Similarity or Loss: why it has no tiled form
     "fused_form": None,  # Similarity: () -> clipkit.tiled.fused.AffineDot | None (fused kernels)
     "fused_reductions": False,  # Loss: its tiled_loss may run in the fused kernels
+    "parameter_bounds": None,  # any module of a Similarity or Loss: clamped after each optimiser step
     "projection_module_name": None,  # Encoder
     "sharding_blocks": None,  # Encoder: FSDP2's units (clipkit.train.runtime.wrapping)
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a

@@ -302,6 +302,31 @@ def plot_loss_curves(runs: dict[str, Path], path: Path, metrics: Sequence[str] =
     return save_figure(figure, Path(path))
 
 
+#: The step telemetry of metrics.jsonl (clipkit.train.telemetry) that ``clipkit report`` plots.
+TELEMETRY_METRICS = (
+    "samples_per_s_per_device",
+    "mfu",
+    "model_tflops_per_s_per_device",
+    "data_wait_share",
+    "forward_ms",
+    "backward_ms",
+    "forward_backward_ms",
+    "optimizer_ms",
+    "gpu_peak_gib",
+    "cpu_peak_rss_gib",
+)
+
+
+def telemetry_metrics(runs: dict[str, Path]) -> list[str]:
+    """The telemetry fields any of ``runs`` logged, in :data:`TELEMETRY_METRICS` order."""
+    logged: set[str] = set()
+    for run_dir in runs.values():
+        file = Path(run_dir) / "metrics.jsonl"
+        if file.is_file():
+            logged.update(key for record in read_metrics(file) for key in record)
+    return [metric for metric in TELEMETRY_METRICS if metric in logged]
+
+
 def comparison_rows(reports: dict[str, dict]) -> list[tuple[str, str, dict[str, str]]]:
     """(task, metric, {run label: formatted value}) for every metric any run reports."""
     rows: dict[tuple[str, str], dict[str, str]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from clipkit.config.settings_schema import COMPILE_MODES
@@ -60,3 +61,30 @@ def compile_unavailable() -> str | None:
 def is_compiled(module: Any) -> bool:
     """Whether ``nn.Module.compile`` has been applied to ``module``."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+@dataclass(frozen=True)
+class GraphBreaks:
+    """What TorchDynamo made of one forward: ``graphs`` traced, one line per ``breaks`` (the reason
+    and where), which each cost a return to Python and split what Inductor can fuse."""
+
+    graphs: int
+    breaks: list[str]
+
+
+def graph_breaks(module: Any, *inputs: Any) -> GraphBreaks:
+    """Trace ``module(*inputs)`` with ``torch._dynamo.explain`` — no compilation, so it runs on the
+    CPU in seconds for tiny towers — and list the graph breaks ``train.compile`` would meet."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # an earlier trace's cache must not hide this one's breaks
+    try:
+        explanation = torch._dynamo.explain(module)(*inputs)
+    finally:
+        torch._dynamo.reset()
+    breaks = []
+    for reason in explanation.break_reasons:
+        frame = reason.user_stack[-1] if reason.user_stack else None
+        where = f" ({frame.filename}:{frame.lineno})" if frame is not None else ""
+        breaks.append(f"{reason.reason.strip().splitlines()[0]}{where}")
+    return GraphBreaks(explanation.graph_count, breaks)

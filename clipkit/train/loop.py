@@ -11,6 +11,7 @@ the run's counters (``trainer.skipped_steps``; a checkpoint restores it).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
 from clipkit.train.runtime import rng_state, set_rng_state
+from clipkit.train.telemetry import NoClock, PhaseClock, Telemetry, peak_tflops, training_flops_per_sample
 from clipkit.train.trainer import RunInfo, Trainer
 
 __all__ = [
@@ -45,10 +47,15 @@ class StepOutcome:
     grad_norm: float | None
 
 
-def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
-    """Forward, loss, backward and optimiser step for one contrastive batch."""
+def train_step(
+    trainer: Trainer, batch: dict, step: int, clock: PhaseClock | NoClock | None = None
+) -> StepOutcome:
+    """Forward, loss, backward and optimiser step for one contrastive batch; ``clock`` times the
+    phases (:mod:`clipkit.train.telemetry`)."""
     rt, training_step = trainer.runtime, trainer.step
     epoch = trainer.epoch()  # the fractional epoch of this batch (scheduled losses read it)
+    clock = clock or NoClock()
+    clock.start()
 
     def is_finite(out: LossOutput) -> bool:
         return loss_is_finite(trainer, out, step)
@@ -56,6 +63,7 @@ def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
     if rt.plan.micro_batches > 1:
         # Exact accumulation (train.micro_batch_size): the loss still sees the whole batch.
         out, finite = accumulate_exactly(training_step, trainer.objective, batch, step, epoch, is_finite)
+        clock.mark("forward_backward")  # its passes interleave forwards and backwards
     else:
         # 1-4. The step module (clipkit.train.step, wrapped by DDP / DeepSpeed): the towers encode
         # this process's batch in the recipe's precision, the point sets are gathered into the
@@ -63,17 +71,24 @@ def train_step(trainer: Trainer, batch: dict, step: int) -> StepOutcome:
         loss, out = training_step(batch, step, epoch)
         # Every process must agree before anyone back-propagates a NaN into shared weights.
         finite = is_finite(out)
+        clock.mark("forward")  # with the finiteness agreement
         if finite:
             rt.backward(loss, training_step)  # 5. gradients (loss-scaled under fp16)
+            clock.mark("backward")
     if not finite:
         trainer.skipped_steps += 1
         return StepOutcome(out, False, None)
     # 6. Clip, step, zero the gradients. Loss scaling may skip a step whose gradients overflowed.
     result = rt.step(training_step, trainer.optimizer)
-    if not result.applied:
+    if result.applied:
+        # 7. Bounded parameters back into bounds (CLIP's logit scale ≤ 100), as open_clip clamps
+        # after its optimiser step: the forward keeps the gradient (clipkit.train.bounds).
+        rt.clamp_parameters(trainer.objective.bounds)
+    else:
         trainer.skipped_steps += 1
         if result.bad_gradient:  # not loss scaling at work: a non-finite gradient
             handle_nonfinite(trainer, step, f"the gradient norm is {result.grad_norm}")
+    clock.mark("optimizer")
     return StepOutcome(out, result.applied, result.grad_norm)
 
 
@@ -112,20 +127,28 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     rt, settings = trainer.runtime, trainer.settings
     batches = iter(trainer.stream)
     last: dict[str, float] = {}
+    telemetry = start_telemetry(trainer)
     tick, samples = time.perf_counter(), 0
     trainer.step.train()
     for step in range(trainer.start_step, settings.steps):
-        batch = rt.to_device(next(batches))
+        with telemetry.waiting_for_data():  # the data-wait share: time blocked on the loader
+            batch = next(batches)
+        batch = rt.to_device(batch)
         if trainer.augment is not None:  # uint8 in, float out: cast again (DeepSpeed half precision)
             batch = rt.to_device(trainer.augment(batch, step))
-        outcome = train_step(trainer, batch, step)
+        if telemetry.flops_per_sample is None:  # MFU's numerator: counted once, on the first batch
+            telemetry.flops_per_sample = count_flops(trainer, batch)
+        outcome = train_step(trainer, batch, step, telemetry.clock)
+        lr = trainer.optimizer.param_groups[0]["lr"]  # the lr this step used, before the schedule moves it
         trainer.schedule.step()
 
         samples += rt.plan.global_size
+        telemetry.steps += 1
         done = step + 1
         if done % settings.log_every == 0 or done == settings.steps:
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
-            last = step_metrics(trainer, outcome, samples / max(elapsed, 1e-9))
+            last = step_metrics(trainer, outcome, samples / max(elapsed, 1e-9), lr)
+            last.update(telemetry.interval_metrics(samples, elapsed))
             samples = 0
             if rt.is_main:
                 trainer.registry.pm.hook.on_metrics(step=done, metrics=last, run=trainer.run)
@@ -140,11 +163,10 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     return last
 
 
-def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float) -> dict[str, float]:
+def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float, lr: float) -> dict[str, float]:
     """The logged numbers of a step (every process computes them: reading a ZeRO-3 similarity's
-    parameters gathers them)."""
+    parameters gathers them); ``lr`` is the learning rate the step used."""
     rt, stream, out = trainer.runtime, trainer.stream, outcome.out
-    lr = trainer.optimizer.param_groups[0]["lr"]
     metrics = {"loss": float(out.loss.detach()), "lr": lr, "epoch": trainer.epoch()}
     metrics.update({k: float(v) for k, v in out.metrics.items()})
     with rt.gathered(trainer.model.similarity):
@@ -155,9 +177,34 @@ def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float) -
     if hasattr(stream, "metrics"):  # samples per source, shards skipped by reason (streamed data)
         metrics.update(stream.metrics())
     metrics["samples_per_s"] = samples_per_s
-    if rt.device.type == "cuda":  # this process's peak, for memory budgets (docs/benchmarks.md)
-        metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
     return {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+
+
+def start_telemetry(trainer: Trainer) -> Telemetry:
+    """The run's :class:`Telemetry`, with the device's peak resolved once (printed where MFU is
+    omitted or the peak measured)."""
+    rt = trainer.runtime
+    peak, source = peak_tflops(trainer.settings.peak_tflops, rt.device, trainer.settings.precision)
+    if rt.is_main and (peak is None or source.startswith("measured")):
+        print(f"telemetry: {source}" + (f": {peak:.3g} TFLOP/s" if peak else ""), file=sys.stderr)
+    return Telemetry(rt.device, rt.world_size, peak)
+
+
+def count_flops(trainer: Trainer, batch: dict) -> float:
+    """Model FLOPs of one training sample (:func:`training_flops_per_sample`); 0.0, with the reason
+    printed, where they cannot be counted (then no MFU is logged)."""
+    rt = trainer.runtime
+    try:
+        if rt.partitions_weights:
+            raise RuntimeError("ZeRO-3 partitions the weights: a forward outside the engine would hang")
+        return training_flops_per_sample(trainer.model, batch, rt.plan.local_size, rt.autocast())
+    except Exception as error:  # noqa: BLE001 - telemetry must never stop a run
+        if rt.is_main:
+            print(
+                f"telemetry: model FLOPs not counted, no MFU ({type(error).__name__}: {error})",
+                file=sys.stderr,
+            )
+        return 0.0
 
 
 def evaluate_during_training(trainer: Trainer, step: int) -> list[dict]:

@@ -16,6 +16,7 @@ an objective and a batch alone::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.settings import Decision, Tiling, decide
+from clipkit.train.bounds import Bound, bounded_parameters
 from clipkit.train.runtime import Runtime
 
 
@@ -36,12 +38,16 @@ class Objective:
     runtime:    the gathers into the global batch, the per-step generator, the precision contexts
     tile_size:  rows and columns per tile when the loss runs tiled (``train.tiled``); None: the
                 full N×N logits. Decided once, for the run's contrastive batch (:func:`decide`).
+    bounds:     the similarity's and loss's bounded parameters (:mod:`clipkit.train.bounds`), which
+                the loop clamps after every applied optimiser step (CLIP's logit scale ≤ 100).
     """
 
     loss: Loss
     similarity: nn.Module
     runtime: Runtime
     tile_size: int | None = None
+    bounds: tuple[Bound, ...] = ()
+    feature_dtype: torch.dtype = torch.float32  # train.similarity_precision: half -> the towers' dtype
 
     @property
     def requires(self) -> frozenset:
@@ -60,18 +66,21 @@ class Objective:
         gradient averaging turns the mean of the local losses into the full-batch loss.
         """
         rt, similarity = self.runtime, self.similarity
-        a, b = rt.gather(local_a), rt.gather(local_b)  # global batch, fp32
-        if self.tile_size is not None:  # train.tiled: never materialise the N×N logits
+        if self.tile_size is not None:  # train.tiled: never materialise the N×N logits (fp32)
+            a, b = rt.gather(local_a), rt.gather(local_b)  # global batch
             gathered = {} if rt.local_loss else self.global_fields(batch)
             ctx = self.context(gathered, a, b, step, epoch, in_modal=False)  # tiled losses score views
             return self.tiled(local_a, local_b, a, b, ctx, step)
+        dtype = self.feature_dtype  # fp32, or the towers' half dtype (the similarity returns fp32 logits)
+        a, b = rt.gather(local_a, dtype), rt.gather(local_b, dtype)  # global batch
         if rt.local_loss:
             n = local_a.batch_size
-            image_rows = similarity(local_a.float(), b, generator=rt.generator(step)).i2t  # [n, N]
-            text_rows = similarity(a, local_b.float(), generator=rt.generator(step)).t2i  # [n, N]
+            image_rows = similarity(local_a.cast(dtype), b, generator=rt.generator(step)).i2t  # [n, N]
+            text_rows = similarity(a, local_b.cast(dtype), generator=rt.generator(step)).t2i  # [n, N]
             ctx = self.context({}, a, b, step, epoch)
-            return self.loss(Logits(i2t=image_rows, t2i=text_rows), rt.targets(n, offset=rt.rank * n), ctx)
-        logits = similarity(a, b, generator=rt.generator(step))
+            logits = in_fp32(Logits(i2t=image_rows, t2i=text_rows))
+            return self.loss(logits, rt.targets(n, offset=rt.rank * n), ctx)
+        logits = in_fp32(similarity(a, b, generator=rt.generator(step)))  # the loss reduces in fp32
         ctx = self.context(self.global_fields(batch), a, b, step, epoch)
         return self.loss(logits, rt.targets(a.batch_size), ctx)
 
@@ -106,7 +115,7 @@ class Objective:
         requires, similarity = self.requires, self.similarity
         fields: dict[str, Any] = {key: gathered[key] for key in ("index", "meta") if key in requires}
         if "in_modal" in requires and in_modal:
-            fields["in_modal"] = Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t)
+            fields["in_modal"] = in_fp32(Logits(i2t=similarity(a, a).i2t, t2i=similarity(b, b).i2t))
         if "features" in requires:
             fields["features"] = (a, b)
         if "step" in requires:
@@ -123,6 +132,32 @@ class Objective:
         if "meta" in self.requires:
             fields["meta"] = {key: rt.gather_list(list(values)) for key, values in batch["meta"].items()}
         return fields
+
+
+def in_fp32(logits: Logits) -> Logits:
+    """Half-precision logits upcast to fp32 (fp32 and fp64 ones as they are): losses reduce in fp32
+    at least, whatever the features."""
+    return Logits(i2t=at_least_fp32(logits.i2t), t2i=at_least_fp32(logits.t2i))
+
+
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
+def feature_dtype(setting: str, precision: str, similarity: nn.Module) -> torch.dtype:
+    """The dtype features enter the similarity in: fp32, or under ``train.similarity_precision: half``
+    and bf16/fp16 towers their dtype — for a similarity that declares ``half_features``."""
+    from clipkit.errors import ClipkitError
+    from clipkit.train.runtime import HALF
+
+    if setting != "half" or precision not in HALF:
+        return torch.float32
+    if not optional_member(similarity, "half_features"):
+        raise ClipkitError(
+            f"train.similarity_precision: half: the similarity {type(similarity).__name__} does not declare "
+            f"half_features (it computes in fp32 only); use similarity_precision: fp32"
+        )
+    return HALF[precision]
 
 
 def tiling_decision(loss: Loss, similarity: nn.Module, runtime: Runtime, tiling: Tiling) -> Decision:
@@ -174,7 +209,12 @@ def build_objective(
     if isinstance(loss, torch.nn.Module):
         loss.to(runtime.device)
     decision = tiling_decision(loss, model.similarity, runtime, tiling_of(recipe))
-    return Objective(loss, model.similarity, runtime, decision.tile_size)
+    bounds = bounded_parameters(similarity=model.similarity, loss=loss)
+    if bounds and runtime.parameter_clamp_refusal and runtime.is_main:
+        names = ", ".join(bound.name for bound in bounds)
+        print(f"note: {names}: {runtime.parameter_clamp_refusal}", file=sys.stderr)
+    dtype = feature_dtype(settings.similarity_precision, runtime.precision, model.similarity)
+    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype)
 
 
 def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
 
 
@@ -22,9 +22,9 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
 
     init_scale:  initial s (CLIP: 1/0.07 ≈ 14.29; SigLIP: 10).
     learn_scale: learn t = log s; otherwise s is a fixed buffer.
-    max_scale:   s is clamped to at most this in the forward pass (CLIP: 100). Clamping the
-                 value rather than the parameter keeps the math pure (works the same on
-                 sharded parameters) and stops the gradient above the clamp, as CLIP does.
+    max_scale:   s is at most this (CLIP: 100): a learnable t is clamped to log max_scale after
+                 each optimiser step, as open_clip does (``parameter_bounds``); the forward pass
+                 uses exp(t) with its gradient, so a scale at the bound can come back down.
     bias:        initial learnable bias c (SigLIP: -10), or None for no bias.
     """
 
@@ -38,22 +38,31 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
         super().__init__()
         if init_scale <= 0:
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
-        register_log_value(self, "log_scale", init_scale, learnable=learn_scale)
+        register_log_value(self, "log_scale", init_scale, learnable=learn_scale, maximum=max_scale)
         self.max_scale = max_scale
         # [1], not 0-d: DeepSpeed cannot broadcast 0-d parameters (see register_log_value).
         self.bias = nn.Parameter(torch.tensor([float(bias)])) if bias is not None else None
 
     def scale(self) -> Tensor:
-        """0-d tensor s = exp(t), clamped to ``max_scale``."""
-        return clamped_exp(self.log_scale, self.max_scale)
+        """0-d tensor s = exp(t), at most ``max_scale``."""
+        return bounded_exp(self.log_scale, self.max_scale)
+
+    def parameter_bounds(self) -> dict[str, tuple[float | None, float | None]]:
+        """t ≤ log max_scale, applied to the parameter after each optimiser step (open_clip's clamp)."""
+        return log_bounds(self, "log_scale", self.max_scale)
 
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> Tensor:
         """[B, M, d] -> [B, d] pooled vectors with logits = s·embed(a) @ embed(b).T (+ c)."""
         return x.points[:, 0] if x.num_points == 1 and x.mask is None else x.mean()
 
+    #: bf16/fp16 point sets give fp32 logits: the products accumulate and come out in fp32
+    #: (``train.similarity_precision: half``; :func:`products`).
+    half_features = True
+
     def forward(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits:
-        """a: [Na, Ma, d], b: [Nb, Mb, d] -> Logits(i2t [Na, Nb], t2i [Nb, Na])."""
-        i2t = self.scale() * self.embed(a) @ self.embed(b).t()
+        """a: [Na, Ma, d], b: [Nb, Mb, d] -> Logits(i2t [Na, Nb], t2i [Nb, Na]); fp32 logits for
+        fp32, bf16 or fp16 points (fp64 points give fp64)."""
+        i2t = self.scale() * products(self.embed(a), self.embed(b))
         if self.bias is not None:
             i2t = i2t + self.bias
         return Logits.symmetric(i2t)
@@ -74,3 +83,14 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
         if self.bias is not None:
             out["logit_bias"] = float(self.bias.detach())
         return out
+
+
+def products(x: Tensor, y: Tensor) -> Tensor:
+    """[Na, d] @ [Nb, d]ᵀ -> [Na, Nb]. Half-precision rows are multiplied with fp32 accumulation
+    and an fp32 result: on CUDA one bf16/fp16 tensor-core GEMM writing fp32 (``out_dtype``), on
+    the CPU the same products computed from the rows upcast (exact: half values are fp32 values)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return x @ y.t()
+    if x.is_cuda:
+        return torch.mm(x, y.t(), out_dtype=torch.float32)
+    return x.float() @ y.float().t()

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 
 #: CLIP's bound on a learnable logit scale, applied to a learnable 1/τ.
 MAX_LEARNED_INVERSE_TAU = 100.0
@@ -66,11 +66,21 @@ class HopfieldSimilarity(nn.Module):
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.beta = float(beta)
         self.learn_scale = learn_scale
-        register_log_value(self, "log_inverse_tau", inverse_tau, learnable=learn_scale)
+        register_log_value(
+            self, "log_inverse_tau", inverse_tau, learnable=learn_scale, maximum=self.maximum()
+        )
 
     def scale(self) -> Tensor:
-        """0-d tensor 1/τ (clamped to ≤ 100 when learnable; no gradient above the clamp)."""
-        return clamped_exp(self.log_inverse_tau, MAX_LEARNED_INVERSE_TAU if self.learn_scale else None)
+        """0-d tensor 1/τ (at most 100 when learnable: the parameter is clamped after each step)."""
+        return bounded_exp(self.log_inverse_tau, self.maximum())
+
+    def maximum(self) -> float | None:
+        """The bound on a learned 1/τ (none on a fixed one)."""
+        return MAX_LEARNED_INVERSE_TAU if self.learn_scale else None
+
+    def parameter_bounds(self) -> dict[str, tuple[float | None, float | None]]:
+        """log 1/τ ≤ log 100 when learnable, applied to the parameter after each optimiser step."""
+        return log_bounds(self, "log_inverse_tau", self.maximum())
 
     def embed(self, x: PointSet, *, generator: torch.Generator | None = None) -> Tensor:
         """[B, M, d] -> [B, d] unit pooled embeddings; eval-mode logits = (1/τ)·embed(a) @ embed(b).T.

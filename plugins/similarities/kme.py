@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import clamped_exp, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 
 
 def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:
@@ -458,15 +458,19 @@ class KMESimilarity(nn.Module):
             raise ValueError(f"block_size must be a positive integer or None, got {block_size}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        register_log_value(self, "log_gamma", init_gamma, learnable=learn_gamma)
+        register_log_value(self, "log_gamma", init_gamma, learnable=learn_gamma, maximum=max_gamma)
         self.max_gamma = max_gamma
         self.block_size = None if block_size is None else int(block_size)
         self.implementation = implementation
         self.matmul_dtype = MATMUL_DTYPES[matmul_dtype]
 
     def gamma(self) -> Tensor:
-        """0-d tensor γ = exp(t), clamped to ``max_gamma``."""
-        return clamped_exp(self.log_gamma, self.max_gamma)
+        """0-d tensor γ = exp(t), at most ``max_gamma``."""
+        return bounded_exp(self.log_gamma, self.max_gamma)
+
+    def parameter_bounds(self) -> dict[str, tuple[float | None, float | None]]:
+        """t ≤ log max_gamma, applied to the parameter after each optimiser step (as CLIP's scale)."""
+        return log_bounds(self, "log_gamma", self.max_gamma)
 
     def forward(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits:
         """a: [Na, Mx, d], b: [Nb, My, d] -> Logits(i2t [Na, Nb], t2i = i2t.T). ``generator`` is unused.

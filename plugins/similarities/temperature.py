@@ -1,8 +1,15 @@
 """Positive learnable scalars (logit scales, kernel bandwidths) shared by the similarities.
 
-Stored as a log so the optimiser works on an unconstrained value; clamped in the forward
-pass (not in place), which keeps similarities pure and stops the gradient above the
-clamp, as CLIP's ``logit_scale.clamp`` does.
+Stored as a log so the optimiser works on an unconstrained value. The upper bound is kept the way
+open_clip keeps CLIP's logit scale at most 100: the *parameter* is clamped in place after every
+optimiser step (the training loop applies each module's :func:`log_bounds`, see
+``parameter_bounds`` in :mod:`clipkit.contract.types`), and the forward pass uses exp(parameter) with its
+gradient — so a scale that reached its bound can come back down. (Clamping the value in the forward
+pass instead, as this module once did, stops the gradient at the bound for good: METHODS §1.)
+
+The forward still clamps in log space (:func:`bounded_exp`): for a parameter within its bound that
+is the identity with gradient 1 (``clamp``'s gradient is 1 at the bound itself), and it keeps a
+fixed buffer, or a parameter loaded from an older checkpoint, within its bound.
 """
 
 from __future__ import annotations
@@ -13,21 +20,39 @@ import torch
 from torch import Tensor, nn
 
 
-def register_log_value(module: nn.Module, name: str, value: float, *, learnable: bool) -> None:
-    """Store log(value) on ``module`` as a parameter (learnable) or a buffer (fixed, still saved).
+def register_log_value(
+    module: nn.Module, name: str, value: float, *, learnable: bool, maximum: float | None = None
+) -> None:
+    """Store log(min(value, maximum)) on ``module`` as a parameter (learnable) or a buffer (fixed,
+    still saved).
 
     Stored with shape [1], not as a 0-d tensor: DeepSpeed's engine cannot broadcast 0-d
-    parameters (it views each as bytes); :func:`clamped_exp` still returns a 0-d value.
+    parameters (it views each as bytes); :func:`bounded_exp` still returns a 0-d value.
     """
-    log_value = torch.tensor([math.log(value)])
+    start = value if maximum is None else min(value, maximum)
+    log_value = torch.tensor([math.log(start)])
     if learnable:
         setattr(module, name, nn.Parameter(log_value))
     else:
         module.register_buffer(name, log_value)
 
 
-def clamped_exp(log_value: Tensor, maximum: float | None) -> Tensor:
-    """0-d tensor exp(log_value), clamped to at most ``maximum`` (None: no clamp); ``log_value`` has
-    one element."""
-    value = log_value.exp().reshape(())
-    return value.clamp(max=maximum) if maximum is not None else value
+def bounded_exp(log_value: Tensor, maximum: float | None) -> Tensor:
+    """0-d tensor exp(min(log_value, log maximum)) (None: no bound); ``log_value`` has one element.
+
+    Within the bound this is exp(log_value) with its full gradient (also at the bound itself), as
+    open_clip's ``logit_scale.exp()``; the bound is the parameter's, applied after each step.
+    """
+    if maximum is not None:
+        log_value = log_value.clamp(max=math.log(maximum))
+    return log_value.exp().reshape(())
+
+
+def log_bounds(
+    module: nn.Module, name: str, maximum: float | None
+) -> dict[str, tuple[float | None, float | None]]:
+    """``{name: (None, log maximum)}`` when ``module.<name>`` is a learnable parameter with a bound,
+    else ``{}``: a similarity's ``parameter_bounds()`` (clamped in place after each optimiser step)."""
+    if maximum is None or not isinstance(getattr(module, name), nn.Parameter):
+        return {}
+    return {name: (None, math.log(maximum))}

@@ -191,6 +191,12 @@ class Runtime:
         return strategy_refusal(asdict(self.config))
 
     @property
+    def partitions_weights(self) -> bool:
+        """ZeRO-3: the module's weights are partitioned over the processes and gathered by hooks
+        in every forward, so a forward of the plain model on one process alone would wait forever."""
+        return self.config.strategy == "deepspeed" and self.config.zero_stage == 3
+
+    @property
     def exact_accumulation_refusal(self) -> str | None:
         """Why exact gradient accumulation cannot run with this strategy (ZeRO-3), or None."""
         return self._strategy.exact_accumulation_refusal
@@ -260,6 +266,17 @@ class Runtime:
         """Drop accumulated gradients without stepping (a skipped step)."""
         self._strategy.zero_grad(model, optimizer)
 
+    def clamp_parameters(self, bounds: tuple) -> None:
+        """Clamp the bounded parameters (:mod:`clipkit.train.bounds`) in place after an applied
+        step, where their authoritative copy lives; a no-op where :attr:`parameter_clamp_refusal`."""
+        if bounds and self.parameter_clamp_refusal is None:
+            self._strategy.clamp_parameters(bounds)
+
+    @property
+    def parameter_clamp_refusal(self) -> str | None:
+        """Why this strategy cannot clamp parameters in place after a step, or None."""
+        return self._strategy.parameter_clamp_refusal
+
     # ------------------------------------------------------------------ full weights
 
     def gathered(self, module):
@@ -282,13 +299,14 @@ class Runtime:
             return {k: self.to_device(v) for k, v in batch.items()}
         return batch
 
-    def gather(self, points: PointSet) -> PointSet:
-        """This process's point sets -> the global batch [W·n, M, d] in fp32, per the recipe's
-        ``gather_with_grad`` (one process: a dtype cast)."""
+    def gather(self, points: PointSet, dtype: torch.dtype = torch.float32) -> PointSet:
+        """This process's point sets -> the global batch [W·n, M, d] in ``dtype`` (fp32 unless
+        ``train.similarity_precision: half``), per the recipe's ``gather_with_grad`` (one process:
+        a dtype cast)."""
         gather = (
             collectives.gather_with_grad if self.config.gather_with_grad else collectives.gather_without_grad
         )
-        points = points.float()
+        points = points.cast(dtype)
         return PointSet(
             gather(points.points),
             None if points.weights is None else gather(points.weights),

@@ -25,6 +25,7 @@ class DDPStrategy:
     name = "ddp"
     exact_accumulation_refusal = None  # exact accumulation works with DDP
     divides_by_accumulation_steps = False  # each backward adds its gradient as it is
+    parameter_clamp_refusal = None  # bounded parameters are clamped in place after each step
 
     def __init__(self, accelerator, *, precision: str, grad_clip: float) -> None:
         self.accelerator, self.precision, self.grad_clip = accelerator, precision, grad_clip
@@ -94,6 +95,13 @@ class DDPStrategy:
 
     def zero_grad(self, model, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
+
+    def clamp_parameters(self, bounds: tuple) -> None:
+        """The optimiser steps the module's own parameters (every process alike), so clamping them in
+        place is the whole update."""
+        from clipkit.train.bounds import clamp_in_place
+
+        clamp_in_place(bounds)
 
     # ------------------------------------------------------------------ state
 

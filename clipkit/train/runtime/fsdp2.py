@@ -58,6 +58,7 @@ class FSDP2Strategy:
 
     name = "fsdp2"
     exact_accumulation_refusal = None  # the similarity is replicated: the loss pass may use it anywhere
+    parameter_clamp_refusal = None  # bounded parameters are clamped in place after each step
     divides_by_accumulation_steps = False  # each backward adds its (averaged) gradient as it is
     scaler = None  # bf16 needs no loss scaling; fp16 is refused
 
@@ -232,6 +233,14 @@ class FSDP2Strategy:
         fresh = rebuild()
         fresh.load_state_dict(state)
         return fresh.to(device)
+
+    def clamp_parameters(self, bounds: tuple) -> None:
+        """The optimiser steps the module's own parameters — the similarity's replicated ones alike
+        on every process, a tower's shard by shard — so clamping them in place after the step keeps
+        every copy in bounds (an element-wise clamp of a shard is the shard of the clamp)."""
+        from clipkit.train.bounds import clamp_in_place
+
+        clamp_in_place(bounds)
 
     def close(self) -> None:
         """Destroy the one-process group this strategy started (none under a launcher)."""

@@ -112,6 +112,17 @@ class DeepSpeedStrategy:
     def zero_grad(self, model, optimizer) -> None:
         model.zero_grad()
 
+    #: DeepSpeed's optimiser steps its own fp32 partitions, not the module's parameters, so an
+    #: in-place clamp of the module's copy would be overwritten by the next step.
+    parameter_clamp_refusal = (
+        "under DeepSpeed the optimiser updates ZeRO's fp32 partitions, not the module's parameters, so "
+        "bounded parameters (the logit scale) are kept in bounds in the forward pass only: the gradient "
+        "stops at the bound (use DDP for open_clip's clamp after the step)"
+    )
+
+    def clamp_parameters(self, bounds: tuple) -> None:
+        raise AssertionError(self.parameter_clamp_refusal)  # Runtime.clamp_parameters never calls it
+
     # ------------------------------------------------------------------ state
 
     def save(self, model, optimizer, checkpoint: Path) -> dict:
