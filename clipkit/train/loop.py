@@ -22,6 +22,7 @@ from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
+from clipkit.train.ema import update_ema, weights_to_evaluate
 from clipkit.train.runtime import rng_state, set_rng_state
 from clipkit.train.trainer import RunInfo, Trainer
 
@@ -119,6 +120,7 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
         if trainer.augment is not None:  # uint8 in, float out: cast again (DeepSpeed half precision)
             batch = rt.to_device(trainer.augment(batch, step))
         outcome = train_step(trainer, batch, step)
+        update_ema(trainer.ema, outcome.applied)  # train.ema: after each applied optimiser step
         trainer.schedule.step()
 
         samples += rt.plan.global_size
@@ -180,16 +182,17 @@ def evaluate_during_training(trainer: Trainer, step: int) -> list[dict]:
     )  # every process (ZeRO gathers)
     if model is None:
         return []
-    saved = rng_state()
-    try:
-        results = run_evals(model, tasks, trainer.registry)
-    finally:
-        model.train()
-        set_rng_state(saved)
-    metrics = {
-        f"eval/{task_label(result)}/{key}": result[key]
-        for result in results
-        for key, _ in metric_rows(result)
-    }
+    results, metrics = [], {}
+    for prefix, weights in weights_to_evaluate(trainer.ema, model, rebuild):  # live and/or EMA
+        saved = rng_state()
+        try:
+            scored = run_evals(weights, tasks, trainer.registry)
+        finally:
+            model.train()
+            set_rng_state(saved)
+        results += scored
+        metrics.update(
+            {f"{prefix}/{task_label(r)}/{key}": r[key] for r in scored for key, _ in metric_rows(r)}
+        )
     trainer.registry.pm.hook.on_metrics(step=step, metrics=metrics, run=trainer.run)
     return results
