@@ -80,13 +80,20 @@ def part_of(name: str) -> str:
     return head if head in TOWERS or head == SIMILARITY else "other"
 
 
+#: Words that mark a parameter held directly by the tower (not in a sub-module) as input-side.
+INPUT_SIDE = re.compile(r"embed|pos|cls|class|token|patch|stem")
+
+
 def layer_ids(names: list[str]) -> tuple[dict[str, int], int]:
     """Each name's layer within one tower, and the tower's depth L (names in registration order).
 
     The tower's blocks are the indexed container (a ``….<i>.…`` path prefix) with the most entries
-    (a transformer's ``blocks`` / ``layers``; a ResNet's largest stage). Block i is layer i + 1;
-    names before the first block are layer 0, names after the last are L + 1. Without any indexed
-    container the tower is one layer (L = 0: every name is layer 1, factor 1).
+    (a transformer's ``blocks`` / ``layers``; a ResNet's largest stage). Block i is layer i + 1.
+    Sub-modules registered before the blocks (patch embedding, ``ln_pre``) are layer 0, those after
+    (final norm, projection) L + 1. Parameters held directly by the tower or a module around the
+    blocks are listed before every sub-module whatever they do, so their name decides: an input-side
+    name (embed, pos, cls, class, token, patch, stem) is layer 0, any other (``proj``) L + 1.
+    Without any indexed container the tower is one layer (L = 0: every name is layer 1, factor 1).
     """
     entries: dict[str, set[int]] = defaultdict(set)
     for name in names:
@@ -97,11 +104,15 @@ def layer_ids(names: list[str]) -> tuple[dict[str, int], int]:
         return {name: 1 for name in names}, 0
     trunk = max(entries, key=lambda prefix: len(entries[prefix]))  # first of the largest on ties
     depth = max(entries[trunk]) + 1
+    around = {trunk.rsplit(".", k)[0] for k in range(1, trunk.count(".") + 1)} | {""}  # modules around it
     ids, seen_block = {}, False
     for name in names:
         block = re.match(re.escape(trunk) + r"\.(\d+)\.", name)
+        owner = name.rpartition(".")[0]
         if block:
             ids[name], seen_block = int(block.group(1)) + 1, True
+        elif owner in around:  # a direct parameter: listed first, placed by its name
+            ids[name] = 0 if INPUT_SIDE.search(name.rpartition(".")[2]) else depth + 1
         else:
             ids[name] = depth + 1 if seen_block else 0
     return ids, depth

@@ -124,11 +124,11 @@ def test_a_real_recipes_towers_get_their_depth(registry):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("optimizer.layer_decay=1.5", "optimizer.layer_decay: must be <= 1"),
+        ("optimizer.layer_decay=1.5", "optimizer.layer_decay: must be > 0 and <= 1, got 1.5"),
         ("optimizer.layer_decay=0", "optimizer.layer_decay: must be > 0"),
         ("optimizer.text_lr=-1", "optimizer.text_lr: must be > 0"),
         ("optimizer.similarity_weight_decay=-0.1", "optimizer.similarity_weight_decay: must be >= 0"),
-        ("optimizer.image_layer_decay=2", "optimizer.image_layer_decay: must be <= 1"),
+        ("optimizer.image_layer_decay=2", "optimizer.image_layer_decay: must be > 0 and <= 1, got 2"),
         ("optimizer.image_lr=fast", "optimizer.image_lr"),
     ],
 )
