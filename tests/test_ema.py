@@ -95,12 +95,16 @@ def test_state_round_trip_is_bit_identical_and_damage_is_named():
     for name, tensor in ema.average.items():
         assert torch.equal(again.average[name], tensor), name
     damaged = {**state, "weights": {k: v for k, v in state["weights"].items() if k != "0.bias"}}
-    with pytest.raises(ArtifactError, match=r"state.pt: its EMA weights do not fit the model \(missing \['0.bias'\]"):
+    with pytest.raises(
+        ArtifactError, match=r"state.pt: its EMA weights do not fit the model \(missing \['0.bias'\]"
+    ):
         again.load_state_dict(damaged, "state.pt")
     with pytest.raises(ArtifactError, match="state.pt: `ema` is not an EMA state"):
         again.load_state_dict([1, 2], "state.pt")
     merged = ema_state_dict(model.state_dict(), state, "state.pt")
-    assert torch.equal(merged["1.bias"], model[1].bias) and torch.equal(merged["0.weight"], ema.average["0.weight"])
+    assert torch.equal(merged["1.bias"], model[1].bias) and torch.equal(
+        merged["0.weight"], ema.average["0.weight"]
+    )
 
 
 # ----------------------------------------------------------------------------- recipe checks
@@ -130,7 +134,11 @@ def test_recipe_errors_name_the_key(registry, overrides, message):
 
 def test_zero_1_and_2_are_accepted(registry):
     for stage in (1, 2):
-        overrides = ["train.ema.decay=0.9", "train.distributed.strategy=deepspeed", f"train.distributed.zero_stage={stage}"]
+        overrides = [
+            "train.ema.decay=0.9",
+            "train.distributed.strategy=deepspeed",
+            f"train.distributed.zero_stage={stage}",
+        ]
         validate_or_raise(load_recipe(SMOKE, overrides, registry=registry), registry)
 
 
@@ -153,7 +161,12 @@ def ema_run(tmp_path_factory):
     previous = os.getcwd()
     os.chdir(root)
     try:
-        overrides = ["train.steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.eval_every=2"]
+        overrides = [
+            "train.steps=6",
+            "train.checkpoint_every=2",
+            "train.keep_checkpoints=3",
+            "train.eval_every=2",
+        ]
         overrides += ["train.export=false", *EMA]
         done = cli("train", SMOKE, *overrides, "--run-dir", str(root / "run"))
         assert done.exit_code == 0, done.output
@@ -229,8 +242,24 @@ def test_export_ema_of_a_run_without_ema_and_resuming_it_with_ema_are_refused(in
 
 
 def train_command(run_dir: Path, *extra: str) -> list[str]:
-    overrides = ["train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=3", "train.export=false"]
-    return [sys.executable, "-m", "clipkit", "train", SMOKE, *overrides, *EMA, "--run-dir", str(run_dir), *extra]
+    overrides = [
+        "train.steps=10",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=3",
+        "train.export=false",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "clipkit",
+        "train",
+        SMOKE,
+        *overrides,
+        *EMA,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def newest_step(run_dir: Path) -> int:
@@ -246,7 +275,9 @@ def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
     subprocess.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
     expected = load_checkpoint(list_checkpoints(in_tmp / "reference")[-1])
     run_dir = in_tmp / "killed"
-    process = subprocess.Popen(train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 300
     while newest_step(run_dir) < kill_at and process.poll() is None:
         assert time.monotonic() < deadline
@@ -264,4 +295,3 @@ def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
         assert torch.equal(got["ema"]["weights"][key], tensor), key
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
-

@@ -42,7 +42,9 @@ def test_launched_ema_resumes_bit_identically_and_is_evaluated(shards, strategy)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copy(full / "recipe.yaml", resumed / "recipe.yaml")
     shutil.copytree(full / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
-    accelerate_launch("train", "quickstart@smoke", "train.export=false", "--resume", "--run-dir", str(resumed), cwd=root)
+    accelerate_launch(
+        "train", "quickstart@smoke", "train.export=false", "--resume", "--run-dir", str(resumed), cwd=root
+    )
     expected = load_checkpoint(list_checkpoints(full)[-1])
     got = load_checkpoint(list_checkpoints(resumed)[-1])
     assert expected["ema"]["applied_steps"] == got["ema"]["applied_steps"] == 4

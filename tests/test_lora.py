@@ -84,7 +84,9 @@ def test_merged_forward_equals_the_unmerged_one_and_has_the_plain_keys(registry)
     assert set(merged.state_dict()) == set(plain.state_dict())
     # merging changed the weights (the adapters were not zero), and the unmerged model is untouched
     key = next(k for k in plain.state_dict() if k.endswith("attn.in_proj.weight"))
-    assert not torch.equal(merged.state_dict()[key], model.state_dict()[key.replace("in_proj.", "in_proj.base_layer.")])
+    assert not torch.equal(
+        merged.state_dict()[key], model.state_dict()[key.replace("in_proj.", "in_proj.base_layer.")]
+    )
 
 
 def test_a_locked_tower_gets_no_adapter(registry):
@@ -144,7 +146,13 @@ def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
     from clipkit.artifacts.reader import load_export
     from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
-    common = ["train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.export=false", *LORA]
+    common = [
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=3",
+        "train.export=false",
+        *LORA,
+    ]
     done = cli("train", SMOKE, *common, "--run-dir", str(in_tmp / "full"))
     assert done.exit_code == 0 and "model.lora:" in done.output, done.output
     # resume from step 2 in a copy of the run: the same weights at step 4

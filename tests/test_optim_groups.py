@@ -84,7 +84,9 @@ def test_every_group_holds_its_tower_layer_and_similarity_lr_and_decay():
 
 def test_the_schedule_keeps_the_ratios_and_an_explicit_similarity_decay_applies():
     model = Model()
-    optimizer = optim.sgd(list(model.named_parameters()), lr=1.0, layer_decay=0.5, similarity_weight_decay=0.05)
+    optimizer = optim.sgd(
+        list(model.named_parameters()), lr=1.0, layer_decay=0.5, similarity_weight_decay=0.05
+    )
     schedule = optim.constant(optimizer, total_steps=10, warmup_steps=4)  # factor 1/4 at step 0
     head, embed = model.image_encoder.proj, model.image_encoder.embed.weight
     assert group_of(optimizer, head)["lr"] == pytest.approx(0.25)
@@ -112,9 +114,13 @@ def test_a_real_recipes_towers_get_their_depth(registry):
         load_recipe(SMOKE, ["optimizer.layer_decay=0.5", "optimizer.lr=1.0"], registry=registry), registry
     )
     model = build_model(recipe, registry)
-    optimizer = build_slot(registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters()))
+    optimizer = build_slot(
+        registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
+    )
     lrs = {g["name"]: g["lr"] for g in optimizer.param_groups}
-    image_layers = sorted(int(n.split("/layer")[1].split("/")[0]) for n in lrs if n.startswith("image_encoder"))
+    image_layers = sorted(
+        int(n.split("/layer")[1].split("/")[0]) for n in lrs if n.startswith("image_encoder")
+    )
     depth = image_layers[-1] - 1
     assert depth >= 1 and image_layers[0] == 0
     assert lrs[f"image_encoder/layer{depth + 1}/decay"] == pytest.approx(1.0)

@@ -325,7 +325,12 @@ def export(
 
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return export_run(
-            Path(run_dir), Path(out), registry or default_registry(), checkpoint, overwrite=overwrite, ema=ema,
+            Path(run_dir),
+            Path(out),
+            registry or default_registry(),
+            checkpoint,
+            overwrite=overwrite,
+            ema=ema,
             keep_adapters=keep_adapters,
         )
 

@@ -154,7 +154,9 @@ def build_model(recipe: dict, registry: Registry, *, adapters: bool = True) -> C
     )
     transform = build_transform(recipe, train=False)
     eval_seed = int(recipe.get("eval_seed", 0))
-    built = ContrastiveModel(image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed)
+    built = ContrastiveModel(
+        image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed
+    )
     if adapters and model.lora:
         from clipkit.model.lora import add_adapters
 

@@ -304,8 +304,8 @@ def save_trainer(trainer: Trainer, step: int) -> Path:
 def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
     """Load a checkpoint into the trainer's own stateful pieces (the runtime has loaded the model,
     optimiser and loss scale in :meth:`~clipkit.train.runtime.Runtime.prepare`): the schedule, the
-    loss's per-sample state, the weight EMA, the data position, the skipped-step count, this process's RNGs and
-    the step to start from."""
+    loss's per-sample state, the weight EMA, the data position, the skipped-step count, this
+    process's RNGs and the step to start from."""
     state = checkpoint.state
     trainer.schedule.load_state_dict(state["schedule"])
     if state.get("loss") is not None:

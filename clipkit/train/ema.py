@@ -88,9 +88,12 @@ class WeightEMA:
                 f"{extra[:3]}); resume with the recipe the run was trained with"
             )
         for name, tensor in weights.items():
-            if tensor.shape != self.average[name].shape or tensor.dtype != torch.float32:
-                raise ArtifactError(f"{where}: EMA weight {name} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                    f"expected {tuple(self.average[name].shape)} float32; it is damaged")  # fmt: skip
+            expected = tuple(self.average[name].shape)
+            if tuple(tensor.shape) != expected or tensor.dtype != torch.float32:
+                raise ArtifactError(
+                    f"{where}: EMA weight {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
+                    f"{expected} float32; the checkpoint is damaged"
+                )
             self.average[name].copy_(tensor)
         self.applied_steps, self.updates = int(state["applied_steps"]), int(state["updates"])
 
@@ -113,7 +116,9 @@ def check_ema_state(state: Any, where: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def ema_state_dict(live_state: dict[str, torch.Tensor], ema_state: Any, where: str) -> dict[str, torch.Tensor]:
+def ema_state_dict(
+    live_state: dict[str, torch.Tensor], ema_state: Any, where: str
+) -> dict[str, torch.Tensor]:
     """A model state dict whose trainable parameters are the EMA's (``clipkit export --ema``):
     every key of ``live_state`` kept, those the EMA averaged replaced (cast to the live dtype)."""
     weights = check_ema_state(ema_state, where)
