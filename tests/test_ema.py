@@ -295,3 +295,22 @@ def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
         assert torch.equal(got["ema"]["weights"][key], tensor), key
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
+
+
+def test_the_memory_estimate_counts_the_average(registry):
+    from clipkit.model import build_model
+    from clipkit.train.memory_fit import estimate_memory
+    from clipkit.train.runtime import BatchPlan
+
+    plan = BatchPlan.split(32, 0, 1)
+    parts = {}
+    for name, overrides in (("plain", []), ("ema", ["train.ema.decay=0.9", "model.frozen=[text_encoder]"])):
+        recipe = validate_or_raise(load_recipe(SMOKE, overrides, registry=registry), registry)
+        model = build_model(recipe, registry)
+        if overrides:
+            model.text_encoder.requires_grad_(False)  # what model.frozen does when training builds it
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        parts[name] = estimate_memory(recipe, model, plan, world_size=1, device="cpu", workers=0).parts
+        parts[name + "-trainable"] = trainable
+    assert parts["plain"]["weight EMA"] == 0
+    assert parts["ema"]["weight EMA"] == 4 * parts["ema-trainable"] < 4 * parts["plain-trainable"]
