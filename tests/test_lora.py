@@ -180,3 +180,27 @@ def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
     batch = smoke_batch(kept)
     for got_features, expected_features in zip(features(merged, batch), features(kept, batch), strict=True):
         assert torch.allclose(got_features, expected_features, atol=1e-6, rtol=0)
+
+
+def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp):
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from clipkit.model.lora import merge_adapters
+    from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
+    from clipkit.train.ema import ema_state_dict
+
+    overrides = ["train.steps=3", "train.export=false", "train.ema.decay=0.5", *LORA]
+    done = cli("train", SMOKE, *overrides, "--run-dir", str(in_tmp / "run"))
+    assert done.exit_code == 0, done.output
+    done = cli("export", str(in_tmp / "run"), str(in_tmp / "out"), "--ema")
+    assert done.exit_code == 0, done.output
+    state = load_checkpoint(list_checkpoints(in_tmp / "run")[-1])
+    assert all("lora_" in k or k.startswith("similarity.") for k in state["ema"]["weights"])
+    model = build_model(recipe_for(registry, *overrides), registry)
+    model.load_state_dict(ema_state_dict(state["model"], state["ema"], "state.pt"))
+    expected = merge_adapters(model).state_dict()
+    exported = load_file(in_tmp / "out" / "model.safetensors")
+    assert set(exported) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(exported[key], tensor), key
