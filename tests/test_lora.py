@@ -204,3 +204,36 @@ def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp)
     assert set(exported) == set(expected)
     for key, tensor in expected.items():
         assert torch.equal(exported[key], tensor), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_launched_lora_resumes_exactly_and_exports_merged(tmp_path, strategy):
+    """Two processes (DDP, or DeepSpeed ZeRO-2 over the adapters only) train, resume to the same
+    weights as the uninterrupted run, and export merged weights."""
+    pytest.importorskip("peft")
+    if strategy == "zero2":
+        pytest.importorskip("deepspeed")
+    from test_distributed import COMMON, accelerate_launch
+
+    from clipkit.app import api
+    from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
+
+    api.shard("synthetic://shapes?n=512&split=train&image_size=48", tmp_path / "data" / "smoke-shapes")
+    zero = ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2"]
+    overrides = [*COMMON, *LORA, "train.export=false", *(zero if strategy == "zero2" else [])]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    accelerate_launch("train", *overrides, "--run-dir", str(full), cwd=tmp_path)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "recipe.yaml", resumed / "recipe.yaml")
+    shutil.copytree(full / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    accelerate_launch(
+        "train", SMOKE, "train.export=false", "--resume", "--run-dir", str(resumed), cwd=tmp_path
+    )
+    expected = load_checkpoint(list_checkpoints(full)[-1])["model"]
+    got = load_checkpoint(list_checkpoints(resumed)[-1])["model"]
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in expected.items())
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    done = cli("export", str(resumed), str(tmp_path / "export"))
+    assert done.exit_code == 0, done.output
