@@ -269,7 +269,7 @@ def newest_step(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at", [3, 6])
+@pytest.mark.parametrize("kill_at", [3])  # one point: each case is three 10-step runs
 def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
