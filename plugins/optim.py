@@ -1,10 +1,12 @@
-"""Built-in optimizers (`adamw`, `adam`, `sgd`) and learning-rate schedules (`cosine`, `constant`,
-`cosine_restarts`, `step`).
+"""Built-in optimizers (`adamw`, `adam`, `sgd`, `lamb`) and learning-rate schedules (`cosine`,
+`constant`, `cosine_restarts`, `step`).
 
 Optimizer factories take ``named_parameters`` (a list of ``(name, parameter)``) and build
-their own parameter groups: weight decay applies to matrices and convolution kernels
-only, never to gains, biases, embeddings' scalars or temperatures (CLIP, CLOOB, open_clip
-all exclude them; a decayed temperature drifts towards s = 1).
+their own parameter groups (:mod:`clipkit.plugins.optim_groups`): weight decay applies to
+matrices and convolution kernels only, never to gains, biases, embeddings' scalars or
+temperatures (CLIP, CLOOB, open_clip all exclude them; a decayed temperature drifts towards
+s = 1); each tower and the similarity may have their own learning rate and weight decay, and
+each tower a layer-wise learning-rate decay.
 """
 
 from __future__ import annotations
@@ -14,22 +16,18 @@ from typing import Annotated
 
 from clipkit.config.settings_schema import OneOf, Range
 from clipkit.contract.hookspecs import hookimpl
+from clipkit.errors import ClipkitError
+from clipkit.plugins.optim_groups import GroupRule, parameter_groups
 
 # Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges").
 LR = Annotated[float, Range(gt=0)]
 NON_NEGATIVE = Annotated[float, Range(ge=0)]
 STEPS = Annotated[int, Range(ge=0)]
 BETA = Annotated[float, Range(ge=0, lt=1)]
-
-
-def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
-    """Split trainable parameters into a decayed group (ndim >= 2) and an undecayed one."""
-    decay, no_decay = [], []
-    for _, parameter in named_parameters:
-        if parameter.requires_grad:
-            (decay if parameter.ndim >= 2 else no_decay).append(parameter)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+# Per-group settings: unset (None) takes the optimizer's own lr / weight_decay / layer_decay.
+GROUP_LR = Annotated[float | None, Range(gt=0)]
+GROUP_DECAY = Annotated[float | None, Range(ge=0)]
+LAYER_DECAY = Annotated[float | None, Range(gt=0, le=1)]
 
 
 #: ``implementation`` of adamw/adam: torch's kernels for the update of all parameters.
@@ -70,13 +68,24 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.98),
     eps: Annotated[float, Range(gt=0)] = 1e-6,
     implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
+    layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
+    image_lr: GROUP_LR = None,
+    text_lr: GROUP_LR = None,
+    similarity_lr: GROUP_LR = None,
+    image_weight_decay: GROUP_DECAY = None,
+    text_weight_decay: GROUP_DECAY = None,
+    similarity_weight_decay: GROUP_DECAY = None,
+    image_layer_decay: LAYER_DECAY = None,
+    text_layer_decay: LAYER_DECAY = None,
 ):
-    """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only; fused on CUDA
-    (``implementation``: :func:`kernel_choice`)."""
+    """AdamW with CLIP's defaults (β2 = 0.98, ε = 1e-6) and decay on matrices only; per-tower and
+    similarity groups, layer-wise lr decay (:func:`clipkit.plugins.optim_groups.parameter_groups`);
+    fused on CUDA (``implementation``: :func:`kernel_choice`)."""
     import torch
 
+    rule = GroupRule.of(locals())
     return torch.optim.AdamW(
-        decay_groups(named_parameters, weight_decay),
+        parameter_groups(named_parameters, rule),
         lr=lr,
         betas=tuple(betas),
         eps=eps,
@@ -91,13 +100,23 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: Annotated[float, Range(gt=0)] = 1e-8,
     implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
+    layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
+    image_lr: GROUP_LR = None,
+    text_lr: GROUP_LR = None,
+    similarity_lr: GROUP_LR = None,
+    image_weight_decay: GROUP_DECAY = None,
+    text_weight_decay: GROUP_DECAY = None,
+    similarity_weight_decay: GROUP_DECAY = None,
+    image_layer_decay: LAYER_DECAY = None,
+    text_layer_decay: LAYER_DECAY = None,
 ):
     """Adam with L2 weight decay coupled into the gradient (y-Aware, seed 002: lr 1e-3, wd 5e-5),
-    on matrices only; fused on CUDA (``implementation``: :func:`kernel_choice`)."""
+    on matrices only; groups as :func:`adamw`'s; fused on CUDA (``implementation``)."""
     import torch
 
+    rule = GroupRule.of(locals())
     return torch.optim.Adam(
-        decay_groups(named_parameters, weight_decay),
+        parameter_groups(named_parameters, rule),
         lr=lr,
         betas=tuple(betas),
         eps=eps,
@@ -111,13 +130,57 @@ def sgd(
     momentum: BETA = 0.9,
     weight_decay: NON_NEGATIVE = 0.0,
     nesterov: bool = False,
+    layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
+    image_lr: GROUP_LR = None,
+    text_lr: GROUP_LR = None,
+    similarity_lr: GROUP_LR = None,
+    image_weight_decay: GROUP_DECAY = None,
+    text_weight_decay: GROUP_DECAY = None,
+    similarity_weight_decay: GROUP_DECAY = None,
+    image_layer_decay: LAYER_DECAY = None,
+    text_layer_decay: LAYER_DECAY = None,
 ):
-    """SGD with momentum (linear probes, seed 000's protocol)."""
+    """SGD with momentum (linear probes, seed 000's protocol); groups as :func:`adamw`'s."""
     import torch
 
+    rule = GroupRule.of(locals())
     return torch.optim.SGD(
-        decay_groups(named_parameters, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov
+        parameter_groups(named_parameters, rule), lr=lr, momentum=momentum, nesterov=nesterov
     )
+
+
+#: The optional extra that brings LAMB (pytorch-optimizer, a maintained library).
+LAMB_EXTRA = "lamb"
+
+
+def lamb(
+    named_parameters,
+    lr: LR = 1e-3,
+    weight_decay: NON_NEGATIVE = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: Annotated[float, Range(gt=0)] = 1e-6,
+    layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
+    image_lr: GROUP_LR = None,
+    text_lr: GROUP_LR = None,
+    similarity_lr: GROUP_LR = None,
+    image_weight_decay: GROUP_DECAY = None,
+    text_weight_decay: GROUP_DECAY = None,
+    similarity_weight_decay: GROUP_DECAY = None,
+    image_layer_decay: LAYER_DECAY = None,
+    text_layer_decay: LAYER_DECAY = None,
+):
+    """LAMB (You et al. 2020: Adam's step rescaled per tensor by the trust ratio ‖w‖/‖update‖,
+    decoupled weight decay) from ``pytorch-optimizer``'s ``Lamb``; groups as :func:`adamw`'s."""
+    try:
+        from pytorch_optimizer import Lamb
+    except ImportError as error:
+        raise ClipkitError(
+            f"optimizer.name=lamb needs the pytorch-optimizer package, which is not installed ({error}); "
+            f"install the extra: pip install 'clipkit[{LAMB_EXTRA}]'"
+        ) from error
+    rule = GroupRule.of(locals())
+    groups = parameter_groups(named_parameters, rule)
+    return Lamb(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decouple=True)
 
 
 def warmup_cosine_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -207,6 +270,7 @@ def register_optimizers(register):
     register("adamw", adamw)
     register("adam", adam)
     register("sgd", sgd)
+    register("lamb", lamb)
 
 
 @hookimpl

@@ -16,12 +16,12 @@ import pytest
 import torch
 from stream_servers import http_server, moto_available, s3_server
 
-from clipkit import api
+from clipkit.app import api
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.data.epoch_plan import EpochPlan, cut_segments, lane_quotas, lane_range, read_segments
 from clipkit.data.loader import BatchStream, metric_label
 from clipkit.data.transforms import ImageTransform
-from clipkit.manager import make_plugin_manager
-from clipkit.registry import Registry
 
 SOURCE = "synthetic://shapes?n=128&split=train&image_size=24"
 ALL = "shard-{000000..000007}.tar"  # 8 shards of 16: an epoch of 128 samples, 16 batches of 8

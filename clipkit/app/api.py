@@ -327,8 +327,12 @@ def export(
     verify: bool | None = None,
     trust_checkpoint: bool | None = None,
     overwrite: bool = False,
+    ema: bool = False,
+    keep_adapters: bool = False,
 ) -> Path:
-    """Export a run's newest (or a given) checkpoint; ``verify``/``trust_checkpoint`` as in :func:`train`.
+    """Export a run's newest (or a given) checkpoint; ``verify``/``trust_checkpoint`` as in :func:`train`;
+    ``ema``: its weight EMA (``train.ema``) instead of the live weights; LoRA adapters (``model.lora``)
+    are merged into plain weights unless ``keep_adapters``.
 
     ``out`` must be absent, empty or an earlier export; ``overwrite`` replaces any other folder
     (never the run itself or its checkpoints)."""
@@ -339,7 +343,13 @@ def export(
     check_output_path(Path(out), "export")  # before the checkpoint is read
     with loading(verify=verify, trust_checkpoint=trust_checkpoint):
         return export_run(
-            Path(run_dir), Path(out), registry or default_registry(), checkpoint, overwrite=overwrite
+            Path(run_dir),
+            Path(out),
+            registry or default_registry(),
+            checkpoint,
+            overwrite=overwrite,
+            ema=ema,
+            keep_adapters=keep_adapters,
         )
 
 

@@ -290,6 +290,13 @@ def export_command(
     no_verify: Annotated[bool, typer.Option("--no-verify", help=NO_VERIFY_HELP)] = False,
     trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help=TRUST_HELP)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
+    ema: Annotated[
+        bool, typer.Option("--ema", help="Export the weight EMA (train.ema) instead of the live weights")
+    ] = False,
+    keep_adapters: Annotated[
+        bool,
+        typer.Option("--keep-adapters", help="Keep LoRA adapters (model.lora) apart instead of merging them"),
+    ] = False,
 ):
     """Write model.safetensors + clipkit.json from a run's checkpoint.
 
@@ -305,8 +312,10 @@ def export_command(
         verify=not no_verify,
         trust_checkpoint=trust_checkpoint,
         overwrite=overwrite,
+        ema=ema,
+        keep_adapters=keep_adapters,
     )
-    typer.echo(f"exported {run_dir} to {path}")
+    typer.echo(f"exported {run_dir}{' (EMA weights)' if ema else ''} to {path}")
 
 
 @fails_cleanly

@@ -136,6 +136,27 @@ def write_export(
     return Path(out_dir)
 
 
+def merged_model(model: ContrastiveModel, recipe: dict) -> tuple[ContrastiveModel, dict]:
+    """A model with LoRA adapters folded into plain weights, and its recipe without ``model.lora``
+    (the model itself when it has no adapters)."""
+    from clipkit.model.lora import has_adapters, merge_adapters, without_adapters
+
+    if not has_adapters(model):
+        return model, recipe
+    return merge_adapters(model), without_adapters(recipe)
+
+
+def ema_weights(state: dict, where: Path) -> dict:
+    """A checkpoint's model weights with its EMA average in place of the trained parameters."""
+    from clipkit.train.ema import STATE_KEY, ema_state_dict
+
+    if state.get(STATE_KEY) is None:
+        raise ClipkitError(
+            f"{where}: no EMA weights to export (the run had no train.ema); export without --ema"
+        )
+    return ema_state_dict(state["model"], state[STATE_KEY], str(where))
+
+
 def export_run(
     run_dir: Path,
     out_dir: Path,
@@ -143,9 +164,13 @@ def export_run(
     checkpoint: Path | None = None,
     *,
     overwrite: bool = False,
+    ema: bool = False,
+    keep_adapters: bool = False,
 ) -> Path:
     """Export the newest (or a given) checkpoint of a run. ``out_dir`` is checked first (see
-    :func:`write_export`); it is never the run directory, a folder holding it or its checkpoints."""
+    :func:`write_export`); it is never the run directory, a folder holding it or its checkpoints.
+    ``ema``: the checkpoint's weight EMA (``train.ema``) instead of the live weights. LoRA adapters
+    (``model.lora``) are merged into plain weights unless ``keep_adapters``."""
     run_dir = Path(run_dir)
     protect = [
         Kept(run_dir / "recipe.yaml", "the run's recipe"),
@@ -165,12 +190,16 @@ def export_run(
     )
     validate_or_raise(recipe, registry)
     model = build_model(recipe, registry)
-    weights = load_checkpoint(path)["model"]
+    state = load_checkpoint(path)
+    weights = ema_weights(state, Path(path) / STATE) if ema else state["model"]
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:  # a checkpoint of another model than recipe.yaml describes
         raise ArtifactError(
             f"{Path(path) / STATE}: its weights do not fit the model of {recipe_path} ({one_line(error)})"
         ) from error
-    kept = f"the run is intact: export it again with `clipkit export {run_dir} {out_dir}`"
+    if not keep_adapters:
+        model, recipe = merged_model(model, recipe)
+    again = (" --ema" if ema else "") + (" --keep-adapters" if keep_adapters else "")
+    kept = f"the run is intact: export it again with `clipkit export {run_dir} {out_dir}{again}`"
     return write_export(model, recipe, out_dir, registry, overwrite=overwrite, kept=kept)

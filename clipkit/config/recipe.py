@@ -25,6 +25,8 @@ from clipkit.config.settings_schema import (  # noqa: F401 — the sections are 
     SECTIONS,
     DataConfig,
     DistributedConfig,
+    EmaConfig,
+    LoraConfig,
     ModelConfig,
     RootConfig,
     TrainConfig,
@@ -616,6 +618,9 @@ def _check_values(recipe: dict, reported: list[str]) -> list[str]:
         errors += _check_augment(data)
         errors += _check_background(data)
     errors += _check_machine(data, train)
+    model = recipe.get("model")
+    if isinstance(model, dict):
+        errors += _check_lora(model.get("lora") or {}, model.get("frozen") or ())
     if isinstance(train, dict):
         errors += _check_train(train)
     return errors
@@ -687,7 +692,64 @@ def _check_train(train: dict) -> list[str]:
         errors.append("train.distributed.offload_params: parameter offload needs zero_stage: 3")
     if distributed.get("strategy") == "fsdp2" and train.get("precision") == "fp16":
         errors.append(f"train.precision: {FSDP2_FP16_REFUSAL}")
+    return errors + _check_ema(train.get("ema") or {}, distributed)
+
+
+def _check_ema(ema: Any, distributed: dict) -> list[str]:
+    """``train.ema``'s keys, and the strategies whose sharded parameters it cannot average."""
+    if not isinstance(ema, dict):
+        return ["train.ema: must be a mapping"]
+    errors = _check_section(ema, "train.ema", EmaConfig)
+    if ema:
+        refusal = ema_refusal(distributed.get("strategy", "ddp"), distributed.get("zero_stage", 2))
+        if refusal:
+            errors.append(f"train.ema: {refusal}")
     return errors
+
+
+def _check_lora(lora: Any, frozen: Any) -> list[str]:
+    """``model.lora``'s keys, its towers, and no adapter on a locked tower."""
+    from clipkit.config.settings_schema import TOWER_NAMES
+
+    if not isinstance(lora, dict):
+        return ["model.lora: must be a mapping"]
+    errors = _check_section(lora, "model.lora", LoraConfig)
+    towers = lora.get("towers", TOWER_NAMES)
+    if not isinstance(towers, (list, tuple)) or not towers:
+        return errors + ["model.lora.towers: must be a non-empty list of image_encoder, text_encoder"]
+    for tower in towers:
+        if tower not in TOWER_NAMES:
+            errors.append(f"model.lora.towers: {tower!r} is not a tower (image_encoder, text_encoder)")
+    if lora and isinstance(frozen, (list, tuple)):
+        locked = [t for t in towers if t in frozen and "towers" in lora]
+        if locked:
+            errors.append(
+                f"model.lora.towers: {', '.join(locked)} is locked (model.frozen), so its outputs are "
+                "cached and an adapter in it would never train; drop it from model.lora.towers"
+            )
+    return errors
+
+
+def ema_refusal(strategy: str, zero_stage: int) -> str | None:
+    """Why weight EMA cannot run under this strategy (None when it can)."""
+    sharded = {"fsdp2": "FSDP2"} if strategy == "fsdp2" else {}
+    if strategy == "deepspeed" and zero_stage == 3:
+        sharded = {"deepspeed": "ZeRO-3"}
+    if not sharded:
+        return None
+    name = next(iter(sharded.values()))
+    return (
+        f"weight EMA is not supported with {name}: each process holds only a shard of the weights, "
+        "so a whole-model average would gather every parameter after each step (and a sharded one "
+        "needs its own checkpoint layout, not implemented); use strategy ddp or deepspeed with "
+        "zero_stage 1 or 2"
+    )
+
+
+def ema_config(recipe: dict) -> EmaConfig | None:
+    """The typed ``train.ema`` section, or None when the recipe asks for no weight EMA."""
+    ema = section(recipe, "train").ema or {}
+    return EmaConfig(**ema) if ema else None
 
 
 def distributed_config(recipe: dict) -> DistributedConfig:

@@ -121,6 +121,26 @@ class ModelConfig:
     # (clipkit/model/init_weights.py).
     init: Any = None
     frozen: tuple = ()  # towers to lock while training: image_encoder and/or text_encoder (LiT)
+    # LoRA adapters on the towers through peft (LoraConfig, clipkit.model.lora), on when this
+    # mapping is non-empty (e.g. model.lora.rank=8)
+    lora: dict = field(default_factory=dict)
+
+
+#: The towers a recipe may name (model.frozen, model.lora.towers).
+TOWER_NAMES = ("image_encoder", "text_encoder")
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora:`` — low-rank adapters (peft's LoRA) on the towers' matching modules; the towers'
+    own weights are locked, the adapters and the similarity train (clipkit.model.lora)."""
+
+    # a regular expression that must fully match a module's name within its tower (peft's rule)
+    target: str = r".*attn\.(in_proj|out_proj)"
+    rank: Annotated[int, POSITIVE] = 8
+    alpha: Annotated[float, POSITIVE] = 16.0  # the update is scaled by alpha / rank
+    dropout: Annotated[float, PROBABILITY] = 0.0  # on the adapter's input
+    towers: tuple = TOWER_NAMES  # which towers get adapters (checked by clipkit.config.recipe)
 
 
 @dataclass
@@ -163,6 +183,25 @@ class TrainConfig:
     # Experiment trackers fed the metrics.jsonl numbers, eval results and this recipe (offline/local):
     # tensorboard, wandb, mlflow or an Accelerate tracker name (clipkit.plugins.loggers.trackers)
     report_to: list = field(default_factory=list)
+    # Weight EMA (EmaConfig, clipkit.train.ema): an fp32 moving average of the trainable weights,
+    # on when this mapping is non-empty (e.g. train.ema.decay=0.999)
+    ema: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmaConfig:
+    """``train.ema:`` — an exponential moving average of the trainable weights (clipkit.train.ema).
+
+    After every ``every``-th applied optimiser step t: ema <- d·ema + (1 - d)·w, with
+    d = (decay · min(1, t / warmup))^every (warmup 0: no ramp). Kept in fp32 on the training
+    device (4 bytes per trainable parameter), checkpointed, exported with ``clipkit export --ema``.
+    """
+
+    decay: Annotated[float, Range(ge=0, lt=1)] = 0.9999
+    warmup: Annotated[int, NON_NEGATIVE] = 0  # optimiser steps over which the decay ramps up from 0
+    every: Annotated[int, POSITIVE] = 1  # update after every N-th applied optimiser step
+    # what train.eval_every scores: the live weights, the EMA weights (eval_ema/...), or both
+    eval: Annotated[str, OneOf(("live", "ema", "both"))] = "both"
 
 
 @dataclass
@@ -190,7 +229,13 @@ class DistributedConfig:
 #: The typed sections of a recipe: ``section(recipe, name)`` builds these.
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
 #: Where each settings class sits in a recipe ("" = the top level).
-SCHEMA = {"": RootConfig, **SECTIONS, "train.distributed": DistributedConfig}
+SCHEMA = {
+    "": RootConfig,
+    **SECTIONS,
+    "train.distributed": DistributedConfig,
+    "train.ema": EmaConfig,
+    "model.lora": LoraConfig,
+}
 
 
 def _host_constraints() -> dict[str, Any]:

@@ -137,8 +137,10 @@ def build_transform(recipe: dict, *, train: bool) -> ImageTransform:
     )
 
 
-def build_model(recipe: dict, registry: Registry) -> ContrastiveModel:
-    """Build the towers, tokenizer and similarity named by a validated recipe."""
+def build_model(recipe: dict, registry: Registry, *, adapters: bool = True) -> ContrastiveModel:
+    """Build the towers, tokenizer and similarity named by a validated recipe, with the recipe's
+    LoRA adapters (``model.lora``) unless ``adapters`` is false (training adds them after the
+    initial weights load into the plain towers)."""
     model = section(recipe, "model")
     tokenizer = None
     text_encoder = None
@@ -170,6 +172,11 @@ def build_model(recipe: dict, registry: Registry) -> ContrastiveModel:
     )
     transform = build_transform(recipe, train=False)
     eval_seed = int(recipe.get("eval_seed", 0))
-    return ContrastiveModel(
+    built = ContrastiveModel(
         image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed
     )
+    if adapters and model.lora:
+        from clipkit.model.lora import add_adapters
+
+        add_adapters(built, recipe)
+    return built

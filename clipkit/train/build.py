@@ -18,7 +18,7 @@ from pathlib import Path
 from clipkit.app.own_data import recipe_holdout
 from clipkit.config.machine import apply as apply_machine_fit
 from clipkit.config.machine import fit_to_machine, launch_warning
-from clipkit.config.recipe import DataConfig, distributed_config, save_recipe, section
+from clipkit.config.recipe import DataConfig, distributed_config, ema_config, save_recipe, section
 from clipkit.contract.registry import Registry
 from clipkit.data.loader import BatchStream, ReadPolicy, training_split
 from clipkit.data.remote import Patience
@@ -27,7 +27,9 @@ from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
 from clipkit.model.init_weights import prepare_model
+from clipkit.model.lora import add_adapters
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
+from clipkit.train.ema import build_ema
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.objective import build_objective
 from clipkit.train.runtime import Runtime
@@ -56,9 +58,11 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         micro_batch_size=settings.micro_batch_size,
         grad_clip=settings.grad_clip,
     )
-    # 2. The model, with its initial weights (model.init) and locked towers (model.frozen).
-    model = build_model(recipe, registry)
+    # 2. The model, with its initial weights (model.init), locked towers (model.frozen) and LoRA
+    #    adapters (model.lora).
+    model = build_model(recipe, registry, adapters=False)
     prepare_model(model, recipe, registry, resume=resume)
+    add_adapters(model, recipe, announce=runtime.is_main)  # model.lora: over the initial weights
     if settings.grad_checkpointing:
         enable_grad_checkpointing(model)
     # 3. Before the data, optimiser and runtime take memory: refuse a run the machine cannot hold.
@@ -79,6 +83,8 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     schedule = build_slot(
         registry, "schedule", recipe["schedule"], "schedule", optimizer=optimizer, total_steps=settings.steps
     )
+    # The weight EMA (train.ema) over the same trainable parameters, in fp32.
+    ema = build_ema(model, ema_config(recipe), announce=runtime.is_main)
     if settings.compile != "none":
         model = compile_model(model, settings.compile)
     # 7. Wrap the step (DDP / DeepSpeed), loading a checkpoint's weights and optimiser around it.
@@ -97,11 +103,12 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         schedule=schedule,
         stream=stream,
         run=RunInfo(Path(run_dir), recipe.get("name", "?"), runtime.is_main),
+        ema=ema,
     )
     if data.augment == "batched":  # crops on the training device, seeded per (step, rank)
         two_view = model.pair == "two_view"
         trainer.augment = BatchedDeviceAugment(build_transform(recipe, train=True), runtime, two_view)
-    # 8. Everything else a checkpoint holds: schedule, loss state, data position, RNGs, the step.
+    # 8. Everything else a checkpoint holds: schedule, loss state, EMA, data position, RNGs, the step.
     if checkpoint is not None:
         restore_trainer(trainer, checkpoint)
     return trainer

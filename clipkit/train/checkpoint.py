@@ -47,6 +47,7 @@ from clipkit.artifacts.integrity import describe_files, policy, verify_files, wa
 from clipkit.artifacts.io import directory_bytes, fsync_directory, tensor_bytes, write_durably, writing
 from clipkit.artifacts.safe_load import decode_rng, encode_rng, load_file
 from clipkit.errors import ArtifactError, ClipkitError
+from clipkit.train.ema import ema_checkpoint_state, restore_ema
 from clipkit.train.runtime import dcp_files, partitions, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -281,6 +282,7 @@ def save_trainer(trainer: Trainer, step: int) -> Path:
             "loss": trainer.loss.state_dict() if isinstance(trainer.loss, torch.nn.Module) else None,
             "data": trainer.stream.position(),
             "skipped_steps": trainer.skipped_steps,
+            **ema_checkpoint_state(trainer.ema),  # train.ema: the fp32 average, alike on every process
             "world_size": rt.world_size,
             "recipe": trainer.recipe,
         }
@@ -299,12 +301,13 @@ def save_trainer(trainer: Trainer, step: int) -> Path:
 def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
     """Load a checkpoint into the trainer's own stateful pieces (the runtime has loaded the model,
     optimiser and loss scale in :meth:`~clipkit.train.runtime.Runtime.prepare`): the schedule, the
-    loss's per-sample state, the data position, the skipped-step count, this process's RNGs and
-    the step to start from."""
+    loss's per-sample state, the weight EMA, the data position, the skipped-step count, this
+    process's RNGs and the step to start from."""
     state = checkpoint.state
     trainer.schedule.load_state_dict(state["schedule"])
     if state.get("loss") is not None:
         trainer.loss.load_state_dict(state["loss"])
+    restore_ema(trainer.ema, state, str(checkpoint.path / STATE))
     trainer.stream.restore(state["data"])
     trainer.skipped_steps = int(state.get("skipped_steps", 0))
     set_rng_state(load_rng(checkpoint.path, trainer.runtime.rank))

@@ -23,6 +23,7 @@ from clipkit.train import stop
 from clipkit.train.accumulate import accumulate_exactly
 from clipkit.train.build import build_trainer, prepare_run_dir
 from clipkit.train.checkpoint import save_trainer
+from clipkit.train.ema import update_ema, weights_to_evaluate
 from clipkit.train.runtime import rng_state, set_rng_state
 from clipkit.train.telemetry import NoClock, PhaseClock, Telemetry, peak_tflops, training_flops_per_sample
 from clipkit.train.trainer import RunInfo, Trainer
@@ -140,6 +141,7 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
             telemetry.flops_per_sample = count_flops(trainer, batch)
         outcome = train_step(trainer, batch, step, telemetry.clock)
         lr = trainer.optimizer.param_groups[0]["lr"]  # the lr this step used, before the schedule moves it
+        update_ema(trainer.ema, outcome.applied)  # train.ema: after each applied optimiser step
         trainer.schedule.step()
 
         samples += rt.plan.global_size
@@ -227,16 +229,17 @@ def evaluate_during_training(trainer: Trainer, step: int) -> list[dict]:
     )  # every process (ZeRO gathers)
     if model is None:
         return []
-    saved = rng_state()
-    try:
-        results = run_evals(model, tasks, trainer.registry)
-    finally:
-        model.train()
-        set_rng_state(saved)
-    metrics = {
-        f"eval/{task_label(result)}/{key}": result[key]
-        for result in results
-        for key, _ in metric_rows(result)
-    }
+    results, metrics = [], {}
+    for prefix, weights in weights_to_evaluate(trainer.ema, model, rebuild):  # live and/or EMA
+        saved = rng_state()
+        try:
+            scored = run_evals(weights, tasks, trainer.registry)
+        finally:
+            model.train()
+            set_rng_state(saved)
+        results += scored
+        metrics.update(
+            {f"{prefix}/{task_label(r)}/{key}": r[key] for r in scored for key, _ in metric_rows(r)}
+        )
     trainer.registry.pm.hook.on_metrics(step=step, metrics=metrics, run=trainer.run)
     return results

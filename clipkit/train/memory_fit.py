@@ -13,6 +13,7 @@ or the process's share of ``data.batch_size``; ``G``: the global batch the loss 
   + optimiser state                   k x 4 bytes x trainable parameters (k = 2 for Adam(W), 1 SGD) x s_o
   + optimiser step                    4 bytes x trainable parameters (foreach temporaries) x s_o
   + DDP buckets                       4 bytes x trainable parameters (DDP with several processes only)
+  + weight EMA                        4 bytes x trainable parameters (train.ema; never sharded)
   + gathered blocks                   2 x the largest FSDP2 unit's parameters in the compute precision
                                       (FSDP2 and ZeRO-3: the unit running and the one prefetched)
   + activations                       A(1) + (A(2) - A(1)) x (B - 1), measured (below)
@@ -222,6 +223,7 @@ def estimate_memory(
         "optimiser state": int(OPTIMIZER_STATE.get(optimizer, 2) * trainable * share.optimizer),
         "optimiser step": int(trainable * share.optimizer),
         "DDP buckets": trainable if share.buckets else 0,
+        "weight EMA": trainable if settings.ema else 0,  # fp32, whole on every process (clipkit.train.ema)
         "gathered blocks": 2 * largest_unit_bytes(model, compute_bytes) if share.gathers else 0,
         "activations": activation_bytes(model, per_forward, model_section.image_size, settings.precision),
         "logits": tiled_settings.logit_bytes(recipe, rows, plan.global_size, LOGIT_BYTES, tiling_refusal),

@@ -17,6 +17,7 @@ from clipkit.config.recipe import TrainConfig
 from clipkit.contract.registry import Registry
 from clipkit.contract.types import Loss
 from clipkit.model import ContrastiveModel
+from clipkit.train.ema import WeightEMA
 from clipkit.train.objective import Objective
 from clipkit.train.runtime import Runtime
 
@@ -73,6 +74,7 @@ class Trainer:
     start_step: int = 0
     skipped_steps: int = 0  # optimiser steps skipped (non-finite loss with nonfinite: skip, fp16 overflow)
     augment: Callable[[dict, int], dict] | None = None  # data.augment: batched (crops on the device)
+    ema: WeightEMA | None = None  # train.ema: the fp32 weight average (clipkit.train.ema)
 
     @property
     def loss(self) -> Loss:
