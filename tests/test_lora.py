@@ -48,7 +48,7 @@ def smoke_batch(model) -> dict:
 
 
 def test_only_adapters_and_the_similarity_train_and_the_count_is_printed(registry, capsys):
-    pytest.importorskip("peft")
+    import_peft()
     from clipkit.model.lora import add_adapters
 
     recipe = recipe_for(registry, *LORA)
@@ -69,7 +69,7 @@ def test_only_adapters_and_the_similarity_train_and_the_count_is_printed(registr
 
 
 def test_merged_forward_equals_the_unmerged_one_and_has_the_plain_keys(registry):
-    pytest.importorskip("peft")
+    import_peft()
     from clipkit.model.lora import merge_adapters
 
     recipe = recipe_for(registry, *LORA, "model.lora.target=.*(attn\\.(in_proj|out_proj)|mlp\\.0)")
@@ -90,7 +90,7 @@ def test_merged_forward_equals_the_unmerged_one_and_has_the_plain_keys(registry)
 
 
 def test_a_locked_tower_gets_no_adapter(registry):
-    pytest.importorskip("peft")
+    import_peft()
     recipe = recipe_for(registry, *LORA, "model.frozen=[image_encoder]")
     model = build_model(recipe, registry)
     assert not any("lora_" in n for n, _ in model.image_encoder.named_parameters())
@@ -116,14 +116,28 @@ def test_validate_names_the_bad_key(registry, overrides, message):
 
 
 def test_a_pattern_matching_nothing_names_the_key(registry):
-    pytest.importorskip("peft")
+    import_peft()
     with pytest.raises(ClipkitError, match="model.lora.target: 'nothing_here' matches no adaptable module"):
         build_model(recipe_for(registry, "model.lora.target=nothing_here"), registry)
 
 
+def import_peft():
+    """peft, or skip the test when the ``lora`` extra is not installed; installed but broken by a
+    torchvision that cannot import (the CUDA build beside the CPU torch), the op schemas its
+    meta-registrations need are defined first (tests/interop_support.py) — never a silent skip."""
+    from interop_support import installed, patch_torchvision_ops
+
+    if not installed("peft"):
+        pytest.skip("peft is not installed (the lora extra)")
+    patch_torchvision_ops()
+    import peft
+
+    return peft
+
+
 def test_without_peft_the_error_names_the_extra(registry, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(ClipkitError, match=r"pip install 'clipkit\[lora\]'"):
+    with pytest.raises(ClipkitError, match=r"pip install 'clipkit-contrastive\[lora\]'"):
         build_model(recipe_for(registry, *LORA), registry)
 
 
@@ -140,7 +154,7 @@ def cli(*args: str):
 
 
 def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
-    pytest.importorskip("peft")
+    import_peft()
     from safetensors.torch import load_file
 
     from clipkit.artifacts.reader import load_export
@@ -183,7 +197,7 @@ def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
 
 
 def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp):
-    pytest.importorskip("peft")
+    import_peft()
     from safetensors.torch import load_file
 
     from clipkit.model.lora import merge_adapters
@@ -211,7 +225,7 @@ def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp)
 def test_launched_lora_resumes_exactly_and_exports_merged(tmp_path, strategy):
     """Two processes (DDP, or DeepSpeed ZeRO-2 over the adapters only) train, resume to the same
     weights as the uninterrupted run, and export merged weights."""
-    pytest.importorskip("peft")
+    import_peft()
     if strategy == "zero2":
         pytest.importorskip("deepspeed")
     from test_distributed import COMMON, accelerate_launch

@@ -14,6 +14,7 @@ the plain module back, so a merged model has exactly the keys of the model witho
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import torch
 
@@ -36,9 +37,20 @@ def _peft():
     try:
         import peft
     except ImportError as error:
+        from clipkit import install_hint
+
+        try:
+            installed = importlib.util.find_spec("peft") is not None
+        except ValueError:  # sys.modules["peft"] is None: blocked, as good as absent
+            installed = False
+        cause = (
+            "peft is installed but does not import — transformers, which it imports, fails when a "
+            "torchvision that cannot import sits beside the CPU torch (docs/interop.md)"
+            if installed
+            else f"install the extra: {install_hint(EXTRA)}"
+        )
         raise ClipkitError(
-            f"model.lora needs the peft package, which is not importable ({error}); install the extra: "
-            f"pip install 'clipkit[{EXTRA}]'"
+            f"model.lora needs the peft package ({type(error).__name__}: {error}); {cause}"
         ) from error
     return peft
 
