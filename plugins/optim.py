@@ -174,9 +174,11 @@ def lamb(
     try:
         from pytorch_optimizer import Lamb
     except ImportError as error:
+        from clipkit import install_hint
+
         raise ClipkitError(
             f"optimizer.name=lamb needs the pytorch-optimizer package, which is not installed ({error}); "
-            f"install the extra: pip install 'clipkit[{LAMB_EXTRA}]'"
+            f"install the extra: {install_hint(LAMB_EXTRA)}"
         ) from error
     rule = GroupRule.of(locals())
     groups = parameter_groups(named_parameters, rule)

@@ -19,12 +19,18 @@ import pytest
 
 
 @functools.cache
+def torchvision_is_broken() -> bool:
+    """torchvision is installed but ``import torchvision`` fails (probed in a subprocess)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, timeout=120)
+    return probe.returncode != 0
+
+
+@functools.cache
 def patch_torchvision_ops() -> None:
     """Define ``torchvision::nms``/``qnms`` schemas if torchvision is installed but cannot import."""
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, timeout=120)
-    if probe.returncode == 0:
+    if not torchvision_is_broken():
         return
     import torch
 

@@ -353,7 +353,8 @@ def test_training_writes_loss_plot_and_eval_markdown(evaluated_run):
 def test_report_compares_runs(evaluated_run, tmp_path):
     root, result = evaluated_run
     written = api.report([result.run_dir], tmp_path / "cmp")
-    assert sorted(p.name for p in written) == ["eval-accuracy.png", "eval.json", "eval.md", "loss.png"]
+    expected = ["eval-accuracy.png", "eval.json", "eval.md", "loss.png", "telemetry.png"]
+    assert sorted(p.name for p in written) == expected
     table = (tmp_path / "cmp" / "eval.md").read_text()
     assert table.splitlines()[0] == "| task | metric | run |"
     with pytest.raises(ClipkitError, match="no metrics.jsonl"):

@@ -5,8 +5,10 @@ locked towers, and the recipe checks. Skipped without peft (the ``[lora]`` extra
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,10 +224,16 @@ def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_launched_lora_resumes_exactly_and_exports_merged(tmp_path, strategy):
+def test_launched_lora_resumes_exactly_and_exports_merged(tmp_path, strategy, monkeypatch):
     """Two processes (DDP, or DeepSpeed ZeRO-2 over the adapters only) train, resume to the same
     weights as the uninterrupted run, and export merged weights."""
+    from interop_support import torchvision_is_broken
+
     import_peft()
+    if torchvision_is_broken():  # the launched processes need the op schemas too (tests/shims)
+        shims = str(Path(__file__).parent / "shims")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [shims, os.environ.get("PYTHONPATH")])))
+        monkeypatch.setenv("CLIPKIT_TESTS_TORCHVISION_OPS", "1")
     if strategy == "zero2":
         pytest.importorskip("deepspeed")
     from test_distributed import COMMON, accelerate_launch

@@ -163,5 +163,5 @@ def test_lamb_without_the_package_names_the_extra(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)  # import fails as if not installed
-    with pytest.raises(ClipkitError, match=r"pip install 'clipkit\[lamb\]'"):
+    with pytest.raises(ClipkitError, match=r"pip install 'clipkit-contrastive\[lamb\]'"):
         optim.lamb(list(Model().named_parameters()))

@@ -15,7 +15,8 @@ import warnings
 from pathlib import Path
 
 LOGGER = "clipkit.debug"
-PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parent.parent / name) for name in ("clipkit", "plugins"))
+#: clipkit/ and plugins/ (this file is clipkit/app/quiet.py).
+PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[2] / name) for name in ("clipkit", "plugins"))
 
 
 def debug_log_path() -> Path:

@@ -198,7 +198,7 @@ def count_flops(trainer: Trainer, batch: dict) -> float:
     rt = trainer.runtime
     try:
         if rt.partitions_weights:
-            raise RuntimeError("ZeRO-3 partitions the weights: a forward outside the engine would hang")
+            raise RuntimeError("the strategy shards the weights (ZeRO-3, FSDP2): no forward outside the step")
         return training_flops_per_sample(trainer.model, batch, rt.plan.local_size, rt.autocast())
     except Exception as error:  # noqa: BLE001 - telemetry must never stop a run
         if rt.is_main:

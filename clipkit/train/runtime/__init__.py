@@ -192,9 +192,11 @@ class Runtime:
 
     @property
     def partitions_weights(self) -> bool:
-        """ZeRO-3: the module's weights are partitioned over the processes and gathered by hooks
-        in every forward, so a forward of the plain model on one process alone would wait forever."""
-        return self.config.strategy == "deepspeed" and self.config.zero_stage == 3
+        """ZeRO-3 or FSDP2: the module's weights are partitioned over the processes and gathered by
+        hooks around the wrapped step's forward, so a forward of a tower alone would wait forever
+        (ZeRO-3) or break FSDP2's initialisation, which must start at the root module."""
+        sharded = self.config.strategy == "fsdp2"
+        return sharded or (self.config.strategy == "deepspeed" and self.config.zero_stage == 3)
 
     @property
     def exact_accumulation_refusal(self) -> str | None:
