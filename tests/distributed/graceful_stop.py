@@ -31,11 +31,11 @@ if mode == "resume":
 if mode == "signal-rank-1":
     step_once = clipkit.train.loop.train_step
 
-    def train_step(trainer, batch, step):
+    def train_step(trainer, batch, step, *rest):
         # The signal lands mid-step on one process only: the others learn of it from the collective.
         if step == 2 and trainer.runtime.rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return step_once(trainer, batch, step)
+        return step_once(trainer, batch, step, *rest)
 
     clipkit.train.loop.train_step = train_step
 try:
