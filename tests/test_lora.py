@@ -259,3 +259,43 @@ def test_launched_lora_resumes_exactly_and_exports_merged(tmp_path, strategy, mo
         assert torch.equal(got[key], tensor), key
     done = cli("export", str(resumed), str(tmp_path / "export"))
     assert done.exit_code == 0, done.output
+
+
+def test_a_merged_lora_export_of_an_open_clip_model_loads_in_open_clip(registry, tmp_path):
+    """The fine-tuning path a researcher takes: an open_clip model converted into clipkit, LoRA
+    adapters on both towers (given values, as training would), ``clipkit export``'s merge, then
+    ``clipkit convert --to open_clip``: open_clip's own loader reads it and computes what the adapted
+    model computes (1e-5, fp32)."""
+    import_peft()
+    from interop_support import import_open_clip
+    from test_interop_open_clip import VIT, assert_same_outputs, open_clip_model, save_open_clip_dir
+
+    from clipkit.artifacts.export import merged_model, write_export
+    from clipkit.artifacts.reader import load_export
+    from clipkit.model.lora import add_adapters, has_adapters
+    from clipkit.plugins.interop.layouts import convert
+
+    open_clip = import_open_clip()
+    source = save_open_clip_dir(open_clip_model(VIT), VIT, tmp_path / "open_clip")
+    start = convert(source, tmp_path / "start", "clipkit", registry)
+    model, metadata = load_export(start, registry)
+    recipe = json.loads(json.dumps(metadata["recipe"]))
+    recipe["model"]["lora"] = {"rank": 4, "alpha": 8.0, "target": r".*(attn\.(in_proj|out_proj)|mlp\.0)"}
+    recipe = validate_or_raise(recipe, registry)
+    add_adapters(model, recipe)
+    assert {n.split(".")[0] for n, _ in model.named_parameters() if "lora_" in n} == {
+        "image_encoder",
+        "text_encoder",
+    }
+    randomise_adapters(model)
+    model.eval()
+
+    merged, plain_recipe = merged_model(model, recipe)
+    assert not has_adapters(merged) and "lora" not in plain_recipe["model"]
+    exported = write_export(merged, plain_recipe, tmp_path / "export", registry)
+    back = convert(exported, tmp_path / "back", "open_clip", registry)
+    reloaded = open_clip.create_model(f"local-dir:{back}").eval()
+    assert_same_outputs(reloaded, model, VIT)
+    original = open_clip_model(VIT)  # the adapters changed the weights open_clip now holds
+    key = "transformer.resblocks.0.attn.in_proj_weight"
+    assert not torch.equal(reloaded.state_dict()[key], original.state_dict()[key])
