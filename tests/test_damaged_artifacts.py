@@ -11,13 +11,13 @@ import os
 import random
 import shutil
 import stat
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app
@@ -35,7 +35,7 @@ def trained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     command = [sys.executable, "-m", "clipkit", "train", SMOKE, "train.steps=2", "train.checkpoint_every=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*command, "--run-dir", "run"], cwd=root, env=env, capture_output=True, text=True)
+    done = warm_launch.subprocess_run([*command, "--run-dir", "run"], cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -410,9 +410,7 @@ def test_a_crafted_pickle_never_runs_on_resume_or_export(work, file, commands):
         craft_checkpoint(checkpoint, marker, file)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command in (RESUME, EXPORT_CMD):
-        done = subprocess.run(
-            [sys.executable, "-m", "clipkit", *command], cwd=work, env=env, capture_output=True, text=True
-        )
+        done = warm_launch.subprocess_run([sys.executable, "-m", "clipkit", *command], cwd=work, env=env)
         output = done.stdout + done.stderr
         assert not marker.exists(), f"{' '.join(command)} ran the payload"
         if command not in commands:
@@ -559,7 +557,7 @@ def test_resume_is_exact_with_checksummed_tensor_rng_states(work):
     # A process like the one that trained (same thread count: float reductions depend on it).
     command = [sys.executable, "-m", "clipkit", "train", SMOKE, "--resume", "--run-dir", "run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+    done = warm_launch.subprocess_run(command, cwd=work, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     got = load_checkpoint(CKPT)
     for key, tensor in expected["model"].items():

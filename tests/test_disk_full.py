@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app
@@ -345,8 +346,7 @@ def tmpfs(tmp_path):
 
 def run_cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "clipkit", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return warm_launch.subprocess_run([sys.executable, "-m", "clipkit", *args], cwd=cwd, env=env, timeout=300)
 
 
 def test_a_real_full_tmpfs_checkpoint_and_export(work, tmpfs):

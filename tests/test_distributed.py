@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
 
@@ -47,14 +48,19 @@ def launcher_env() -> dict[str, str]:
 def run(command: list[str], cwd: Path, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
     env = {**launcher_env(), **extra_env}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return succeeded(done)
+
+
+def succeeded(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    command = " ".join(map(str, done.args))
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
 
 
-def torchrun(script: Path, *args: str, cwd: Path) -> None:
-    # --standalone: the rendezvous picks its own free port (no race with a port chosen here).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run(command + [str(script), *args], cwd)
+def torchrun(script: Path, *args: str, cwd: Path, processes: int = 2) -> None:
+    """``torchrun --nproc_per_node 2 SCRIPT ARGS`` (``python SCRIPT ARGS`` for one process), its
+    processes forked from a warm interpreter (tests/warm_launch.py)."""
+    succeeded(warm_launch.run(args, script=script, cwd=cwd, processes=processes, env=launcher_env()))
 
 
 def cli(*args: str, cwd: Path):
@@ -72,13 +78,18 @@ def cli(*args: str, cwd: Path):
         os.chdir(previous)
 
 
-def accelerate_launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The documented command: ``accelerate launch --multi_gpu --num_processes 2 ... -m clipkit ...``."""
+def accelerate_launch(*args: str, cwd: Path, documented: bool = False) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes 2 ... -m clipkit ARGS``: two processes with the
+    environment that command gives them, forked from a warm interpreter (tests/warm_launch.py);
+    ``documented``: through the real command."""
+    # Its own extension cache, so a test can see what a launch compiles (nothing: see zero.py).
+    extensions = str(cwd / "torch_extensions")
+    if not documented:
+        env = {**launcher_env(), "TORCH_EXTENSIONS_DIR": extensions}
+        return succeeded(warm_launch.run(args, cwd=cwd, processes=2, env=env))
     accelerate = Path(sys.executable).parent / "accelerate"
     flags = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     flags += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    # Its own extension cache, so a test can see what a launch compiles (nothing: see zero.py).
-    extensions = str(cwd / "torch_extensions")
     return run(
         [str(accelerate), "launch", *flags, "-m", "clipkit", *args], cwd, TORCH_EXTENSIONS_DIR=extensions
     )
@@ -94,7 +105,7 @@ EQUIVALENCE = HERE / "distributed" / "equivalence.py"
 def one_process(tmp_path_factory):
     """The reference: one process on the whole batch."""
     out = tmp_path_factory.mktemp("one-process")
-    run([sys.executable, str(EQUIVALENCE), str(out)], out)
+    torchrun(EQUIVALENCE, str(out), cwd=out, processes=1)
     return torch.load(out / "result-1.pt", weights_only=False)
 
 
@@ -269,7 +280,9 @@ def test_launch_train_checkpoint_resume_export(shards, strategy):
         pytest.importorskip("deepspeed")
     root = shards
     full, resumed = root / f"{strategy}-full", root / f"{strategy}-resumed"
-    accelerate_launch("train", *COMMON, *STRATEGIES[strategy], "--run-dir", str(full), cwd=root)
+    # The documented command for one strategy; the others' processes are forked warm.
+    accelerate_launch("train", *COMMON, *STRATEGIES[strategy], "--run-dir", str(full), cwd=root,
+                      documented=strategy == "ddp")  # fmt: skip
     steps = [p.name for p in list_checkpoints(full)]
     assert steps == ["step-00000002", "step-00000004"]
     assert (full / "export" / "model.safetensors").is_file() and (full / "eval.json").is_file()

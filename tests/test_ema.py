@@ -8,13 +8,12 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from safetensors.torch import load_file
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
@@ -249,9 +248,6 @@ def train_command(run_dir: Path, *extra: str) -> list[str]:
         "train.export=false",
     ]
     return [
-        sys.executable,
-        "-m",
-        "clipkit",
         "train",
         SMOKE,
         *overrides,
@@ -272,12 +268,10 @@ def newest_step(run_dir: Path) -> int:
 @pytest.mark.parametrize("kill_at", [3])  # one point: each case is three 10-step runs
 def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
+    warm_launch.run(train_command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True)
     expected = load_checkpoint(list_checkpoints(in_tmp / "reference")[-1])
     run_dir = in_tmp / "killed"
-    process = subprocess.Popen(
-        train_command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    process = warm_launch.WarmLaunch(train_command(run_dir), cwd=in_tmp, env=env)
     deadline = time.monotonic() + 300
     while newest_step(run_dir) < kill_at and process.poll() is None:
         assert time.monotonic() < deadline
@@ -286,7 +280,7 @@ def test_kill_9_then_resume_keeps_the_average_bit_identical(in_tmp, kill_at):
         os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode != 0, "the run finished before the kill landed"
-    subprocess.run(train_command(run_dir, "--resume"), cwd=in_tmp, env=env, check=True, capture_output=True)
+    warm_launch.run(train_command(run_dir, "--resume"), cwd=in_tmp, env=env, check=True)
     got = load_checkpoint(list_checkpoints(run_dir)[-1])
     assert got["step"] == expected["step"] == 10
     assert got["ema"]["applied_steps"] == expected["ema"]["applied_steps"] == 10

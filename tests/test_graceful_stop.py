@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from clipkit.app import api
 from clipkit.contract.hookspecs import hookimpl
@@ -138,8 +139,7 @@ def test_sigterm_to_the_cli_exits_143_with_a_checkpoint_and_the_resume_command(s
     command = [sys.executable, "-m", "clipkit", "train", SMOKE, *overrides(shards, 100_000),
                "train.checkpoint_every=100000", "--run-dir", str(run_dir)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)  # fmt: skip
+    process = warm_launch.popen(command, cwd=tmp_path, env=env)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):

@@ -9,13 +9,12 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.contract.registry import default_registry
@@ -327,7 +326,7 @@ def train_command(run_dir: Path, *extra: str, strategy: str = "ddp") -> list[str
     overrides = ["train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
     overrides.append(f"train.distributed.strategy={strategy}")
     overrides.append("train.export=false")
-    return [sys.executable, "-m", "clipkit", "train", SMOKE, *overrides, "--run-dir", str(run_dir), *extra]
+    return ["train", SMOKE, *overrides, "--run-dir", str(run_dir), *extra]
 
 
 def newest_step(run_dir: Path) -> int:
@@ -359,16 +358,14 @@ def assert_identical(got: dict, expected: dict) -> None:
 def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = functools.partial(train_command, strategy=strategy)
-    subprocess.run(command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True, capture_output=True)
+    warm_launch.run(command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True)
     expected = final_state(in_tmp / "reference")
     chooser = random.Random(int(os.environ.get("CLIPKIT_KILL_SEED", "7")))
     killed = 0
     for attempt in range(3):
         run_dir = in_tmp / f"killed-{attempt}"
         target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
-        process = subprocess.Popen(
-            command(run_dir), cwd=in_tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        process = warm_launch.WarmLaunch(command(run_dir), cwd=in_tmp, env=env)
         deadline = time.monotonic() + 300
         while newest_step(run_dir) < target and process.poll() is None:
             assert time.monotonic() < deadline
@@ -381,7 +378,7 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
             continue
         killed += 1
         resume = ["--resume"] if list_checkpoints(run_dir) else []  # killed before the first one completed
-        subprocess.run(command(run_dir, *resume), cwd=in_tmp, env=env, check=True, capture_output=True)
+        warm_launch.run(command(run_dir, *resume), cwd=in_tmp, env=env, check=True)
         assert_identical(final_state(run_dir), expected)
     assert killed >= 2, "the kills should land before the 10-step runs finish"
 

@@ -6,12 +6,12 @@ import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from clipkit.app import api
 from clipkit.data.shard import read_manifest, verify_shards
@@ -45,7 +45,7 @@ def finished_shards(out: Path) -> int:
 @pytest.mark.parametrize("kill_after", [1, 7])
 def test_kill_9_mid_run_then_rerun_verifies_and_equals_an_uninterrupted_run(tmp_path, reference, kill_after):
     out = tmp_path / "shards"
-    process = subprocess.Popen(shard_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = warm_launch.popen(shard_command(out))
     deadline = time.monotonic() + 300  # a safety net against a hang, not a measured duration
     while finished_shards(out) < kill_after and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -54,7 +54,7 @@ def test_kill_9_mid_run_then_rerun_verifies_and_equals_an_uninterrupted_run(tmp_
     process.wait()
     assert not out.exists() and finished_shards(out) >= kill_after
 
-    rerun = subprocess.run(shard_command(out), capture_output=True, text=True)
+    rerun = warm_launch.subprocess_run(shard_command(out))
     assert rerun.returncode == 0, rerun.stderr
     assert verify_shards(out)["problems"] == []
     manifest = read_manifest(out)
@@ -193,8 +193,8 @@ def test_verify_finds_a_duplicated_sample_and_an_unlisted_tar(finished):
 
 def test_cli_verify_exit_codes(finished):
     command = [sys.executable, "-m", "clipkit", "shard", "--verify", str(finished)]
-    ok = subprocess.run(command, capture_output=True, text=True)
+    ok = warm_launch.subprocess_run(command)
     assert ok.returncode == 0 and "30 samples in 3 shard(s) match the manifest" in ok.stdout
     (finished / "shard-000000.tar").write_bytes(b"not a tar")
-    bad = subprocess.run(command, capture_output=True, text=True)
+    bad = warm_launch.subprocess_run(command)
     assert bad.returncode == 2 and "shard-000000.tar" in bad.stderr

@@ -8,13 +8,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from stream_servers import copy_truncated, http_server, moto_available, s3_server
 
 from clipkit.app import api
@@ -378,15 +378,13 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
         ]
 
     full, killed = tmp_path / "full", tmp_path / "killed"
-    subprocess.run(command(full, *overrides), env=env, check=True, capture_output=True)
-    process = subprocess.Popen(
-        command(killed, *overrides), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    warm_launch.subprocess_run(command(full, *overrides), env=env, check=True)
+    process = warm_launch.popen(command(killed, *overrides), env=env)
     while newest_step(killed) < 4 and process.poll() is None:  # ends on its own at worst (no clock)
         time.sleep(0.01)
     with contextlib.suppress(ProcessLookupError):
         os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the kill should land before the 30-step run ends"
-    subprocess.run(command(killed, "--resume"), env=env, check=True, capture_output=True)
+    warm_launch.subprocess_run(command(killed, "--resume"), env=env, check=True)
     assert_same_weights(newest(killed), newest(full))

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,11 +55,11 @@ def test_tiled_training_matches_full_step_for_step(spec, extra, shards, tmp_path
 
 @pytest.fixture(scope="module")
 def tiled_equivalence(tmp_path_factory):
-    from test_distributed import run, torchrun
+    from test_distributed import torchrun
 
     out = tmp_path_factory.mktemp("tiled-equivalence")
     script = HERE / "distributed" / "tiled_equivalence.py"
-    run([sys.executable, str(script), str(out)], out)
+    torchrun(script, str(out), cwd=out, processes=1)
     torchrun(script, str(out), cwd=out)
     return tuple(torch.load(out / f"tiled-{world}.pt", weights_only=False) for world in (1, 2))
 

@@ -17,12 +17,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_launch
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -44,7 +44,7 @@ def trained(tmp_path_factory) -> Path:
     """A 2-step quickstart@smoke run with two checkpoints and its export (made once, copied per test)."""
     root = tmp_path_factory.mktemp("trained")
     command = [sys.executable, "-m", "clipkit", "train", SMOKE, "train.steps=2", "train.checkpoint_every=1"]
-    done = subprocess.run([*command, "--run-dir", "run"], cwd=root, env=ENV, capture_output=True, text=True)
+    done = warm_launch.subprocess_run([*command, "--run-dir", "run"], cwd=root, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -187,14 +187,13 @@ def test_shard_never_replaces_its_source(tmp_path, app, overwrite):
 # ----------------------------------------------------------------------------- run-directory lock
 
 
-def start_training(run_dir: Path, *extra: str) -> subprocess.Popen:
+def start_training(run_dir: Path, *extra: str) -> warm_launch.WarmLaunch:
     settings = ["train.steps=100000", "train.log_every=1", "train.checkpoint_every=2", "train.export=false"]
     command = [sys.executable, "-m", "clipkit", "train", SMOKE, *settings, "--run-dir", str(run_dir), *extra]
-    return subprocess.Popen(command, cwd=run_dir.parent, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return warm_launch.popen(command, cwd=run_dir.parent, env=ENV)
 
 
-def wait_for(condition, process: subprocess.Popen, seconds: float = 300) -> None:
+def wait_for(condition, process: warm_launch.WarmLaunch, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -210,7 +209,7 @@ def test_a_second_train_in_the_same_run_directory_refuses_and_a_killed_one_does_
         wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, first)
         recipe = (run_dir / "recipe.yaml").read_bytes()
         command = [sys.executable, "-m", "clipkit", "train", SMOKE, "train.steps=3", f"--run-dir={run_dir}"]
-        second = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+        second = warm_launch.subprocess_run(command, cwd=tmp_path, env=ENV, timeout=120)
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         lines = [line for line in second.stderr.splitlines() if line.strip()]
@@ -229,7 +228,7 @@ def test_a_second_train_in_the_same_run_directory_refuses_and_a_killed_one_does_
     newest = int(list_checkpoints(run_dir)[-1].name.split("-")[1])
     resume = [sys.executable, "-m", "clipkit", "train", SMOKE, "--resume", "--run-dir", str(run_dir),
               f"train.steps={newest + 1}"]  # fmt: skip
-    done = subprocess.run(resume, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    done = warm_launch.subprocess_run(resume, cwd=tmp_path, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(list_checkpoints(run_dir)[-1].name.split("-")[1]) == newest + 1
 
