@@ -60,6 +60,15 @@ class DeepSpeedStrategy:
             )
         return None
 
+    @property
+    def compile_refusal(self) -> str | None:
+        if self.zero_stage == 3:
+            return (
+                "ZeRO-3 gathers each sub-module's partitioned parameters in hooks around its forward, "
+                "which compiled towers would trace past; use zero_stage 1 or 2, DDP, or train.compile=none"
+            )
+        return None
+
     def prepare(self, model, optimizer):
         try:
             import deepspeed
