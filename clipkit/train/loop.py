@@ -153,8 +153,8 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
         if done % settings.log_every == 0 or done == settings.steps:
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
             last = step_metrics(trainer, outcome, samples / max(elapsed, 1e-9), lr)
-            if not telemetry.steps:  # only the warm compile since the last line: no steady speed
-                del last["samples_per_s"]
+            if telemetry.compile_warmup_s is not None and not telemetry.steps:  # only the warm compile
+                del last["samples_per_s"]  # since the last line: no steady speed to report
             last.update(telemetry.interval_metrics(samples, elapsed))
             samples = 0
             if rt.is_main:

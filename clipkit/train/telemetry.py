@@ -233,9 +233,9 @@ class Telemetry:
         steps; resets the interval."""
         warmup = {} if self.compile_warmup_s is None else {"compile_warmup_s": self.compile_warmup_s}
         self.compile_warmup_s = None
-        if not self.steps:  # the interval held only the warm compile: no steady speed to report
+        if warmup and not self.steps:  # the interval held only the warm compile: no steady speed
             return {**warmup, **peak_memory(self.device)}
-        elapsed_s, steps = max(elapsed_s, 1e-9), self.steps
+        elapsed_s, steps = max(elapsed_s, 1e-9), max(self.steps, 1)
         per_device = samples / elapsed_s / self.world_size
         metrics = {
             "samples_per_s_per_device": per_device,
