@@ -76,8 +76,8 @@ class Objective:
             return self.tiled(local_a, local_b, a, b, ctx, step)
         dtype = self.feature_dtype  # fp32, or the towers' half dtype (the similarity returns fp32 logits)
         a, b = rt.gather(local_a, dtype), rt.gather(local_b, dtype)  # global batch
-        local_a, local_b = local_a.cast(dtype), local_b.cast(dtype)
         if rt.local_loss:  # this process's anchors: the diagonal shifted to its rows of the global batch
+            local_a, local_b = local_a.cast(dtype), local_b.cast(dtype)
             n = local_a.batch_size
             targets, gathered = rt.targets(n, offset=rt.rank * n), {}
         else:
@@ -105,7 +105,7 @@ class Objective:
         generator_for: Callable[[], torch.Generator | None],
     ) -> LossOutput:
         """Similarity then loss on gathered point sets (a, b [N, M, d]; local_a, local_b [n, M, d]
-        this process's, in the features' dtype): the part of the step that
+        this process's, in the features' dtype where ``local``): the part of the step that
         ``train.compile_scope: step`` compiles. ``local``: this process's anchors against all
         candidates (``targets`` [n] their columns), else the whole batch (``targets`` [N]);
         ``gathered``: the global batch's declared index/meta."""
