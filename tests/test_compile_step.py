@@ -184,3 +184,24 @@ def test_warm_compile_is_reported_apart_from_the_steady_speed():
     only_warmup = telemetry.interval_metrics(samples=0, elapsed_s=0.0)
     assert only_warmup["compile_warmup_s"] == 3.0
     assert "samples_per_s_per_device" not in only_warmup and "step_ms" not in only_warmup
+
+
+def test_the_loop_logs_the_first_step_apart_when_compiling(registry, in_tmp, capsys):
+    """``train_loop`` with ``train.compile`` set times its first step apart: the log line carries
+    ``compile_warmup_s`` and its samples/s counts the later steps only. The towers stay eager here
+    (the setting is switched on after building): what is tested is the loop's bookkeeping."""
+    import dataclasses
+
+    from clipkit.train.build import prepare_run_dir
+    from clipkit.train.loop import train_loop
+
+    recipe = recipe_for(registry, "train.steps=3", "train.log_every=3", "train.export=false")
+    prepare_run_dir(recipe, in_tmp / "run", resume=False)
+    trainer = build_trainer(recipe, Path(in_tmp / "run"), registry)
+    trainer.settings = dataclasses.replace(trainer.settings, compile="default")
+    metrics = train_loop(trainer)
+    assert metrics["compile_warmup_s"] > 0 and metrics["samples_per_s"] > 0
+    assert metrics["samples_per_s_per_device"] == pytest.approx(
+        2 * trainer.runtime.plan.global_size / (metrics["step_ms"] * 2 / 1e3)
+    )
+    assert "train.compile: the first step took" in capsys.readouterr().err
