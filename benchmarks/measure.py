@@ -114,3 +114,46 @@ def machine_line(*versions: tuple[str, str], threads: bool = True, load: bool = 
     if load and hasattr(os, "getloadavg"):
         parts.append(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return ", ".join(parts)
+
+
+def heap_bytes() -> int:
+    """Bytes of this process's C heap in use (glibc ``mallinfo2``: small blocks in the arenas plus
+    mmapped blocks), where torch's CPU allocator takes every tensor's memory from."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                "fordblks", "keepcost",
+            )
+        ]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def heap_peak_bytes(fn: Callable[[], object]) -> int:
+    """The most C-heap bytes in use after any torch operation while ``fn`` ran (forward and
+    backward: a TorchDispatchMode samples :func:`heap_bytes` after every op), above what was in use
+    before: a CPU stand-in for CUDA's ``max_memory_allocated`` (glibc only)."""
+    import gc
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sampler(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, heap_bytes())
+            return out
+
+    gc.collect()
+    before = heap_bytes()
+    with Sampler() as sampler:
+        fn()
+    return max(sampler.peak - before, 0)

@@ -55,3 +55,19 @@ def test_markdown_and_clocks(measure):
     assert wall >= 0 and cpu >= 0 and measure.cpu_seconds(lambda: None) >= 0
     line = measure.machine_line(("clipkit", "0"), load=False)
     assert line.startswith("python ") and ", clipkit 0, CPU " in line and "load average" not in line
+
+
+def test_heap_peak_counts_what_a_call_allocates_and_frees(measure):
+    """A call that holds a 16 MiB tensor for a moment peaks at about 16 MiB above its start (the
+    sampler sees it after the op that made it), though it frees it before returning; a call that
+    allocates nothing peaks near zero."""
+    import torch
+
+    def hold_and_free():
+        tensor = torch.ones(4 * 2**20)  # 16 MiB of fp32
+        return float(tensor[0])
+
+    hold_and_free()  # first-call allocations (thread pools, caches) out of the way
+    peak = measure.heap_peak_bytes(hold_and_free)
+    assert 16 * 2**20 <= peak <= 18 * 2**20
+    assert measure.heap_peak_bytes(lambda: None) <= 2**20

@@ -29,6 +29,11 @@ which matters only for gradient accumulation, off here).
 ``torch.compile`` only with ``CLIPKIT_GPU_VIT_COMPILE=1`` (cold compiles do not fit the budget);
 its first step (the warm compile) is reported apart from the steady samples/s.
 
+Issue 38's memory goal: per configuration (checkpointing off and on) and clipkit side, the ratio of
+its step peak memory to open_clip's, goal <= 1.0 (clipkit's ViT keeps its residual stream in bf16
+under autocast, as open_clip's LayerNorm does; benchmarks/checkpoint_memory.py makes the same
+comparison on the CPU).
+
 Issue 38's configurations: a third side, clipkit with ``train.similarity_precision=half`` (the
 features enter the similarity in bf16, fp32 logits and loss); per side and configuration the MFU
 (model FLOPs per sample from ``torch.utils.flop_counter`` on clipkit's model — 3x the towers'
@@ -89,6 +94,7 @@ PRECISION = pick("bf16", "no")
 MODEL = pick("ViT-B/16 bf16", "tiny ViT fp32 (rehearsal)")
 GOAL = ">= 1.3x open_clip samples/s at <= its peak memory"
 MFU_GOAL = ">= 45 % MFU"
+MEMORY_GOAL = "<= 1.0x open_clip's step peak memory at equal batch"
 #: Steps of clipkit's train_loop whose telemetry (data wait, MFU, step split) is recorded per configuration.
 LOOP_STEPS = pick(4, 2)
 #: Filled in main(): model FLOPs of one training sample and the device's peak TFLOP/s with its source.
@@ -415,6 +421,19 @@ def measure_config(
             mine, theirs = gib(memory[name]), gib(memory["open_clip"])
             memory_note = f"; peak memory {name} {mine:.2f} GiB vs open_clip {theirs:.2f} GiB"
         log(f"{name} / open_clip, {label}: {ratio:.3f}x{memory_note[1:]}")
+        if memory_ok is not None:  # issue 38: at equal batch, no more memory than open_clip's
+            figures.append(
+                figure(
+                    f"{name} / open_clip step peak memory, {MODEL}, batch {BATCH}, {label}",
+                    memory[name] / memory["open_clip"],
+                    "x",
+                    goal=MEMORY_GOAL,
+                    met=memory_ok,
+                    note=f"{gib(memory[name]):.2f} GiB vs {gib(memory['open_clip']):.2f} GiB, allocator peak "
+                    "during one step above what each held before (the CPU comparison: "
+                    "benchmarks/checkpoint_memory.py)",
+                )
+            )
         figures.append(
             figure(
                 f"{name} / open_clip samples/s, {MODEL}, batch {BATCH}, {label}",

@@ -37,6 +37,8 @@ from clipkit.config.dotted import lookup
 #: ``torch.compile`` modes, plus "none" (eager). "reduce-overhead" adds CUDA graphs on GPUs;
 #: on a CPU it behaves like "default". "max-autotune" benchmarks kernel choices while compiling.
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+#: What ``train.compile`` covers: the two towers, or the step (the towers and the similarity + loss).
+COMPILE_SCOPES = ("towers", "step")
 
 #: Longest data.timeout (seconds; a day): sockets and select() overflow far above it.
 MAX_TIMEOUT = 86400.0
@@ -171,6 +173,9 @@ class TrainConfig:
     nonfinite: Annotated[str, OneOf(("stop", "skip"))] = "stop"
     # torch.compile the towers: none | default | reduce-overhead | max-autotune
     compile: Annotated[str, OneOf(COMPILE_MODES)] = "none"
+    # what train.compile covers: towers | step (the towers and the similarity + loss, where both
+    # plugins declare `compiles`; clipkit.train.compile)
+    compile_scope: Annotated[str, OneOf(COMPILE_SCOPES)] = "towers"
     threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
     # Estimate the run's memory before training; refuse it when it exceeds what the machine has
     # (clipkit.train.memory_fit); false: run anyway

@@ -91,7 +91,7 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
     for key, value in out.metrics.items():
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
-    check_optional_members(loss, ("supports_local_loss", "stateful"))
+    check_optional_members(loss, ("supports_local_loss", "stateful", "compiles"))
     return out
 
 
@@ -137,7 +137,7 @@ def check_similarity(similarity, dim: int = 8, points: int = 3, weighted: bool =
     assert isinstance(ensembled, PointSet) and ensembled.batch_size == 3, (
         "ensemble must return one set per group"
     )
-    check_optional_members(similarity, ("pairwise", "uses_random_features"))
+    check_optional_members(similarity, ("pairwise", "uses_random_features", "compiles"))
     return logits
 
 

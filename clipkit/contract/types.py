@@ -321,6 +321,9 @@ class Similarity(Protocol):
         half_features: bool = False — accepts bf16/fp16 point sets and returns fp32 logits (the
             products accumulated in fp32): ``train.similarity_precision: half`` hands it the
             towers' autocast dtype instead of upcast features.
+        compiles: bool = False — the forward traces into one TorchDynamo graph (plain tensor code:
+            no generator, no custom autograd Function, no Python value read off a tensor), so
+            ``train.compile_scope: step`` compiles it with the loss (:mod:`clipkit.train.compile`).
         metrics() -> dict[str, float] — numbers logged every ``log_every`` (scale, bandwidth, ...).
         tile_features(x, *, generator) -> tuple of [B, ...] tensors, score_tile(fa, fb) -> [ta, tb]
             logits of those rows, score_pairs(fa, fb) -> [n] (optional), largest_tile(fa, fb) ->
@@ -360,6 +363,8 @@ class Loss(Protocol):
         tiled_loss(logits: TiledLogits, ctx) -> LossOutput — the same loss from row/column
             reductions of tiles (``train.tiled``, :mod:`clipkit.tiled.contract`); tiled_unsupported:
             str — why the loss has no tiled form (``train.tiled: true`` then refuses with it).
+        compiles: bool = False — as for a Similarity: ``__call__`` traces into one graph, so
+            ``train.compile_scope: step`` compiles it with the similarity.
         fused_reductions: bool = False — ``tiled_loss`` may run in the fused Triton kernels (its
             reductions use the named terms of :mod:`clipkit.tiled.terms`; :mod:`clipkit.tiled.fused`).
         parameter_bounds() -> dict — as for a Similarity: learnable loss parameters kept in bounds
@@ -379,6 +384,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
     "half_features": False,  # Similarity: takes bf16/fp16 points, returns fp32 logits
+    "compiles": False,  # Similarity or Loss: traceable by torch.compile in one graph (train.compile_scope)
     "tile_features": None,  # Similarity: tiled path (clipkit.tiled.contract)
     "score_tile": None,  # Similarity
     "score_pairs": None,  # Similarity (optional speed-up of the positives)

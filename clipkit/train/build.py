@@ -58,6 +58,8 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
         micro_batch_size=settings.micro_batch_size,
         grad_clip=settings.grad_clip,
     )
+    if settings.compile != "none" and runtime.compile_refusal:  # before anything is built
+        raise ClipkitError(f"train.compile={settings.compile}: {runtime.compile_refusal}")
     # 2. The model, with its initial weights (model.init), locked towers (model.frozen) and LoRA
     #    adapters (model.lora).
     model = build_model(recipe, registry, adapters=False)
@@ -87,6 +89,8 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     ema = build_ema(model, ema_config(recipe), announce=runtime.is_main)
     if settings.compile != "none":
         model = compile_model(model, settings.compile)
+        if settings.compile_scope == "step":  # the similarity + loss too, where they trace whole
+            compile_objective(objective, settings.compile, announce=runtime.is_main)
     # 7. Wrap the step (DDP / DeepSpeed), loading a checkpoint's weights and optimiser around it.
     checkpoint = open_checkpoint(run_dir, runtime.world_size) if resume else None
     resumed = {"checkpoint": checkpoint.path, "state": checkpoint.state} if checkpoint else {}
@@ -229,6 +233,18 @@ def compile_model(model: ContrastiveModel, mode: str) -> ContrastiveModel:
     if reason:
         raise ClipkitError(f"train.compile={mode}: {reason}; use train.compile=none")
     return compile_towers(model, mode)
+
+
+def compile_objective(objective, mode: str, *, announce: bool) -> None:
+    """``train.compile_scope: step``: the objective's similarity + loss compiled, or left eager with
+    one line saying why (:func:`clipkit.train.compile.scoring_refusal`)."""
+    from clipkit.train.compile import compile_scoring, scoring_refusal
+
+    reason = scoring_refusal(objective)
+    if reason is None:
+        objective.compiled_scoring = compile_scoring(objective, mode)
+    elif announce:
+        print(f"train.compile_scope=step: similarity and loss stay eager: {reason}", file=sys.stderr)
 
 
 def shard_target(data: DataConfig) -> str:

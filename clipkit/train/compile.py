@@ -1,9 +1,24 @@
-"""``train.compile``: ``torch.compile`` the two towers of a model, and nothing else.
+"""``train.compile``: ``torch.compile`` the towers, and with ``train.compile_scope: step`` the
+similarity and the loss too.
 
-Only the encoders are compiled. The similarity and the loss stay eager because they run in
-fp32 outside autocast (METHODS §11: exp(Δ/τ) overflows in fp16), some of them draw fresh random
-features from a generator every step (WPSE) and some use custom autograd Functions; they are
-also a small share of the step. Measured effect on CPU: docs/benchmarks.md ("torch.compile").
+- ``towers`` (the default, what ``train.compile`` always meant): the two encoders, in place
+  (:func:`compile_towers`).
+- ``step``: the towers, plus :meth:`Objective.score <clipkit.train.objective.Objective.score>` —
+  the similarity and the loss on the gathered point sets, in fp32 outside autocast as always
+  (METHODS §11) — as one compiled function (:func:`compile_scoring`); AOTAutograd compiles its
+  backward with it. The gathers between the two (collectives), the finiteness agreement, the
+  backward call and the optimiser step stay eager.
+
+The scoring is compiled only where it can be traced whole, which a plugin declares
+(``compiles = True`` on the similarity and on the loss: plain tensor code, no generator, no custom
+autograd Function, no Python value read off a tensor). Everything else falls back to eager
+scoring with one printed line saying why (:func:`scoring_refusal`): a plugin that does not declare
+it (WPSE draws random features from a generator; KME and WPSE's fused path are custom autograd
+Functions), the tiled engine (``train.tiled``: Python loops over tiles and their own autograd), a
+loss reading per-step Python numbers (``step``, ``epoch``, ``meta``: each new value would
+recompile). Strategies that cannot run compiled code refuse ``train.compile`` before anything is
+built (:meth:`Runtime.compile_refusal <clipkit.train.runtime.Runtime.compile_refusal>`).
+Measured effect on CPU: docs/benchmarks.md ("torch.compile").
 """
 
 from __future__ import annotations
@@ -11,10 +26,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from clipkit.config.settings_schema import COMPILE_MODES
+from clipkit.contract.types import CONTEXT_FIELDS, optional_member
 from clipkit.errors import ClipkitError
 
 #: The model attributes holding the towers (``text_encoder`` is None for two-view models).
@@ -39,6 +56,53 @@ def compile_towers(model: Any, mode: str = "default") -> Any:
         if tower is not None:
             tower.compile(mode=mode)
     return model
+
+
+#: LossContext fields a compiled scoring can take: tensors and point sets. The others are Python
+#: values that change every step (``step``, ``epoch``; ``meta`` holds lists), on which a compiled
+#: graph would be specialised and recompiled.
+TRACEABLE_FIELDS = frozenset({"index", "features", "in_modal"})
+
+
+def scoring_refusal(objective: Any) -> str | None:
+    """Why ``objective``'s similarity + loss cannot run compiled (None when they can)."""
+    similarity, loss = objective.similarity, objective.loss
+    if objective.tile_size is not None:
+        return "the loss runs tiled (train.tiled): the tile engine's loops and autograd stay eager"
+    for kind, plugin in (("similarity", similarity), ("loss", loss)):
+        if not optional_member(plugin, "compiles"):
+            return f"the {kind} {type(plugin).__name__} does not declare `compiles`"
+    if optional_member(similarity, "uses_random_features"):
+        return f"the similarity {type(similarity).__name__} draws random features from a generator"
+    per_step = sorted((objective.requires & CONTEXT_FIELDS) - TRACEABLE_FIELDS)
+    if per_step:
+        return f"the loss {type(loss).__name__} reads {', '.join(per_step)}, which would recompile every step"
+    return None
+
+
+def compile_scoring(
+    objective: Any, mode: str = "default", *, backend: str = "inductor"
+) -> Callable[..., Any]:
+    """``objective.score`` as one compiled function of (local_a, local_b, a, b, gathered, targets)
+    -> LossOutput (:meth:`clipkit.train.objective.Objective.score`). Call only where
+    :func:`scoring_refusal` is None: the similarity gets no generator and the loss no step or epoch.
+    ``backend``: Inductor (generated kernels); tests use "aot_eager" (the same traced forward and
+    backward graphs, run by eager kernels: seconds instead of a C++ compile)."""
+    import torch
+
+    if mode not in COMPILE_MODES or mode == "none":
+        raise ClipkitError(f"train.compile: cannot compile the scoring in mode {mode!r}")
+    local = objective.runtime.local_loss  # fixed for the run: a constant of the graph
+
+    def no_generator() -> None:
+        return None
+
+    def scoring(local_a, local_b, a, b, gathered: dict, targets):
+        return objective.score(local_a, local_b, a, b, gathered, targets, local, 0, 0.0, no_generator)
+
+    if backend != "inductor":
+        return torch.compile(scoring, backend=backend)
+    return torch.compile(scoring, mode=mode)
 
 
 def compile_unavailable() -> str | None:
@@ -88,3 +152,18 @@ def graph_breaks(module: Any, *inputs: Any) -> GraphBreaks:
         where = f" ({frame.filename}:{frame.lineno})" if frame is not None else ""
         breaks.append(f"{reason.reason.strip().splitlines()[0]}{where}")
     return GraphBreaks(explanation.graph_count, breaks)
+
+
+def scoring_graph_breaks(objective: Any, a: Any, b: Any, gathered: dict | None = None) -> GraphBreaks:
+    """:func:`graph_breaks` of the scoring ``train.compile_scope: step`` compiles — the similarity
+    and the loss on the point sets ``a``, ``b`` [N, M, d] as the whole batch (``gathered``: the
+    index/meta a loss declares) — so a plugin's ``compiles`` can be checked, not trusted."""
+    import torch
+
+    local = objective.runtime.local_loss
+
+    def scoring(a, b, gathered, targets):
+        return objective.score(a, b, a, b, gathered, targets, local, 0, 0.0, lambda: None)
+
+    targets = torch.arange(a.batch_size, device=a.points.device)
+    return graph_breaks(scoring, a, b, gathered or {}, targets)

@@ -130,6 +130,7 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
     last: dict[str, float] = {}
     telemetry = start_telemetry(trainer)
     tick, samples = time.perf_counter(), 0
+    compiles = settings.compile != "none"  # the first step compiles: timed apart (telemetry)
     trainer.step.train()
     for step in range(trainer.start_step, settings.steps):
         with telemetry.waiting_for_data():  # the data-wait share: time blocked on the loader
@@ -147,9 +148,13 @@ def train_loop(trainer: Trainer, *, progress=None) -> dict[str, float]:
         samples += rt.plan.global_size
         telemetry.steps += 1
         done = step + 1
+        if compiles and step == trainer.start_step:  # the warm compile, apart from the steady speed
+            tick, samples = warm_compile(telemetry, time.perf_counter() - tick, rt.is_main), 0
         if done % settings.log_every == 0 or done == settings.steps:
             elapsed, tick = time.perf_counter() - tick, time.perf_counter()
             last = step_metrics(trainer, outcome, samples / max(elapsed, 1e-9), lr)
+            if telemetry.compile_warmup_s is not None and not telemetry.steps:  # only the warm compile
+                del last["samples_per_s"]  # since the last line: no steady speed to report
             last.update(telemetry.interval_metrics(samples, elapsed))
             samples = 0
             if rt.is_main:
@@ -180,6 +185,19 @@ def step_metrics(trainer: Trainer, outcome: StepOutcome, samples_per_s: float, l
         metrics.update(stream.metrics())
     metrics["samples_per_s"] = samples_per_s
     return {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+
+
+def warm_compile(telemetry: Telemetry, seconds: float, announce: bool) -> float:
+    """Report the first step's wall time (TorchDynamo traces, Inductor compiles) apart and restart
+    the interval after it; returns the new interval's start."""
+    telemetry.warm_compile(seconds)
+    if announce:
+        print(
+            f"train.compile: the first step took {seconds:.1f} s (warm compile: tracing and compiling the "
+            "graphs); samples/s and the step split leave it out",
+            file=sys.stderr,
+        )
+    return time.perf_counter()
 
 
 def start_telemetry(trainer: Trainer) -> Telemetry:

@@ -17,6 +17,7 @@ an objective and a batch alone::
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ class Objective:
     tile_size: int | None = None
     bounds: tuple[Bound, ...] = ()
     feature_dtype: torch.dtype = torch.float32  # train.similarity_precision: half -> the towers' dtype
+    # train.compile_scope: step: score() compiled (clipkit.train.compile.compile_scoring); None: eager
+    compiled_scoring: Callable[..., LossOutput] | None = None
 
     @property
     def requires(self) -> frozenset:
@@ -65,7 +68,7 @@ class Objective:
         (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
         gradient averaging turns the mean of the local losses into the full-batch loss.
         """
-        rt, similarity = self.runtime, self.similarity
+        rt = self.runtime
         if self.tile_size is not None:  # train.tiled: never materialise the N×N logits (fp32)
             a, b = rt.gather(local_a), rt.gather(local_b)  # global batch
             gathered = {} if rt.local_loss else self.global_fields(batch)
@@ -73,16 +76,47 @@ class Objective:
             return self.tiled(local_a, local_b, a, b, ctx, step)
         dtype = self.feature_dtype  # fp32, or the towers' half dtype (the similarity returns fp32 logits)
         a, b = rt.gather(local_a, dtype), rt.gather(local_b, dtype)  # global batch
-        if rt.local_loss:
+        if rt.local_loss:  # this process's anchors: the diagonal shifted to its rows of the global batch
+            local_a, local_b = local_a.cast(dtype), local_b.cast(dtype)
             n = local_a.batch_size
-            image_rows = similarity(local_a.cast(dtype), b, generator=rt.generator(step)).i2t  # [n, N]
-            text_rows = similarity(a, local_b.cast(dtype), generator=rt.generator(step)).t2i  # [n, N]
-            ctx = self.context({}, a, b, step, epoch)
+            targets, gathered = rt.targets(n, offset=rt.rank * n), {}
+        else:
+            targets, gathered = rt.targets(a.batch_size), self.global_fields(batch)
+        if self.compiled_scoring is not None:  # train.compile_scope: step (clipkit.train.compile)
+            return self.compiled_scoring(local_a, local_b, a, b, gathered, targets)
+
+        def generator_for() -> torch.Generator:
+            return rt.generator(step)  # a fresh, identically seeded generator per similarity call
+
+        local = rt.local_loss
+        return self.score(local_a, local_b, a, b, gathered, targets, local, step, epoch, generator_for)
+
+    def score(
+        self,
+        local_a: PointSet,
+        local_b: PointSet,
+        a: PointSet,
+        b: PointSet,
+        gathered: dict,
+        targets: torch.Tensor,
+        local: bool,
+        step: int,
+        epoch: float,
+        generator_for: Callable[[], torch.Generator | None],
+    ) -> LossOutput:
+        """Similarity then loss on gathered point sets (a, b [N, M, d]; local_a, local_b [n, M, d]
+        this process's, in the features' dtype where ``local``): the part of the step that
+        ``train.compile_scope: step`` compiles. ``local``: this process's anchors against all
+        candidates (``targets`` [n] their columns), else the whole batch (``targets`` [N]);
+        ``gathered``: the global batch's declared index/meta."""
+        similarity = self.similarity
+        if local:
+            image_rows = similarity(local_a, b, generator=generator_for()).i2t  # [n, N]
+            text_rows = similarity(a, local_b, generator=generator_for()).t2i  # [n, N]
             logits = in_fp32(Logits(i2t=image_rows, t2i=text_rows))
-            return self.loss(logits, rt.targets(n, offset=rt.rank * n), ctx)
-        logits = in_fp32(similarity(a, b, generator=rt.generator(step)))  # the loss reduces in fp32
-        ctx = self.context(self.global_fields(batch), a, b, step, epoch)
-        return self.loss(logits, rt.targets(a.batch_size), ctx)
+            return self.loss(logits, targets, self.context({}, a, b, step, epoch))
+        logits = in_fp32(similarity(a, b, generator=generator_for()))  # the loss reduces in fp32
+        return self.loss(logits, targets, self.context(gathered, a, b, step, epoch))
 
     def tiled(
         self, local_a: PointSet, local_b: PointSet, a: PointSet, b: PointSet, ctx: LossContext, step: int

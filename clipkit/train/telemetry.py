@@ -18,6 +18,11 @@ Fields (means over the ``train.log_every`` steps since the last line; :func:`int
   recomputation of gradient checkpointing nor the similarity and loss), times samples/s per
   device; MFU divides that by the device's peak (:func:`peak_tflops`). Without a known peak (a CPU,
   an unknown GPU) ``mfu`` is left out and the reason is printed once.
+- ``compile_warmup_s`` (``train.compile`` only, on the first log line): the wall time of this
+  process's first step, where TorchDynamo traces and Inductor compiles the forward and backward
+  graphs (plus one step's work). That step is left out of every other field of its interval
+  (samples/s, step split, data wait), so they are the steady state; an interval that held only it
+  reports no speed.
 - ``gpu_peak_gib`` (CUDA: the allocator's peak) or ``cpu_peak_rss_gib`` (the process's peak
   resident memory).
 """
@@ -203,6 +208,7 @@ class Telemetry:
     clock: PhaseClock = field(init=False)
     data_wait_s: float = 0.0
     steps: int = 0
+    compile_warmup_s: float | None = None  # the warm compile's step, until the next log line reports it
 
     def __post_init__(self) -> None:
         self.clock = PhaseClock(self.device)
@@ -215,9 +221,20 @@ class Telemetry:
         finally:
             self.data_wait_s += time.perf_counter() - began
 
+    def warm_compile(self, seconds: float) -> None:
+        """The step that compiled the graphs took ``seconds``: reported apart (``compile_warmup_s``),
+        and the interval restarted after it, so its speed fields are the steady state."""
+        self.compile_warmup_s = seconds
+        self.data_wait_s, self.steps = 0.0, 0
+        self.clock.totals_ms()  # drop its phases
+
     def interval_metrics(self, samples: int, elapsed_s: float) -> dict[str, float]:
         """The telemetry fields for ``samples`` (global) trained in ``elapsed_s`` over ``self.steps``
         steps; resets the interval."""
+        warmup = {} if self.compile_warmup_s is None else {"compile_warmup_s": self.compile_warmup_s}
+        self.compile_warmup_s = None
+        if warmup and not self.steps:  # the interval held only the warm compile: no steady speed
+            return {**warmup, **peak_memory(self.device)}
         elapsed_s, steps = max(elapsed_s, 1e-9), max(self.steps, 1)
         per_device = samples / elapsed_s / self.world_size
         metrics = {
@@ -233,7 +250,7 @@ class Telemetry:
                 metrics["mfu"] = achieved / self.peak
         metrics.update(peak_memory(self.device))
         self.data_wait_s, self.steps = 0.0, 0
-        return metrics
+        return {**warmup, **metrics}
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

@@ -19,7 +19,7 @@ from clipkit.errors import check_choice
 
 # Relative (= clipkit.plugins.encoders.vit): plugins/ installs as clipkit.plugins, which ruff's isort
 # cannot see from the source tree.
-from .vit import WEIGHT_HEADS, Transformer, TransformerTower, check_positive, point_set
+from .vit import WEIGHT_HEADS, LayerNorm, Transformer, TransformerTower, check_positive, point_set
 
 OUTPUTS = ("eos", "tokens")
 PAD_POINTS = ("mask", "include")
@@ -86,7 +86,7 @@ class TextTransformer(TransformerTower):
             grad_checkpointing=grad_checkpointing,
             quick_gelu=quick_gelu,
         )
-        self.ln_final = nn.LayerNorm(width)
+        self.ln_final = LayerNorm(width)
         self.proj = nn.Linear(width, embed_dim, bias=False)
         # Only token outputs expose padding positions as points; for "eos" a pad vector would be
         # a parameter that never receives a gradient.

@@ -65,6 +65,22 @@ class SelfAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that returns its input's dtype; [*, D] -> [*, D].
+
+    Under CUDA autocast ``layer_norm`` computes in fp32 and returns fp32, so a plain LayerNorm
+    turns the towers' bf16/fp16 residual stream into fp32 from ``ln_pre`` on: every block then
+    adds its half-precision output to an fp32 stream, and gradient checkpointing keeps each block's
+    input at 4 bytes per value instead of 2 (+29 % peak memory against open_clip at ViT-B/16, batch
+    256: docs/benchmarks.md). Casting back keeps the stream in the dtype it arrives in — half
+    precision from the patch embedding, fp32 from a text tower's embedding table or without
+    autocast — as open_clip's LayerNorm does. The normalisation itself still runs in fp32.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).to(x.dtype)
+
+
 class QuickGELU(nn.Module):
     """x·sigmoid(1.702·x): the GELU approximation OpenAI's CLIP weights were trained with (and the
     Hugging Face CLIP default, ``hidden_act="quick_gelu"``); [*] -> [*]."""
@@ -91,9 +107,9 @@ class ResidualBlock(nn.Module):
     ) -> None:
         super().__init__()
         hidden = int(width * mlp_ratio)
-        self.ln_1 = nn.LayerNorm(width)
+        self.ln_1 = LayerNorm(width)
         self.attn = SelfAttention(width, heads, causal=causal)
-        self.ln_2 = nn.LayerNorm(width)
+        self.ln_2 = LayerNorm(width)
         self.mlp = nn.Sequential(
             nn.Linear(width, hidden),
             QuickGELU() if quick_gelu else nn.GELU(),
@@ -281,11 +297,11 @@ class VisionTransformer(TransformerTower):
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.empty(width))
         self.positional_embedding = nn.Parameter(torch.empty(1 + num_patches, width))
-        self.ln_pre = nn.LayerNorm(width)
+        self.ln_pre = LayerNorm(width)
         self.transformer = Transformer(
             width, layers, heads, mlp_ratio, grad_checkpointing=grad_checkpointing, quick_gelu=quick_gelu
         )
-        self.ln_post = nn.LayerNorm(width)
+        self.ln_post = LayerNorm(width)
         self.proj = nn.Linear(width, embed_dim, bias=False)
         self.finish_tower(width, weights, weight_scale)
 

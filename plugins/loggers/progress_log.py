@@ -79,6 +79,8 @@ PHASES = (("forward", "fwd"), ("backward", "bwd"), ("forward_backward", "fwd+bwd
 def telemetry_parts(metrics: dict[str, Any]) -> list[str]:
     """The step telemetry, short: samples/s/device, MFU, data wait, step split, peak memory."""
     parts = []
+    if isinstance(metrics.get("compile_warmup_s"), float):
+        parts.append(f"compile warm-up {metrics['compile_warmup_s']:.1f} s")
     if isinstance(metrics.get("samples_per_s_per_device"), float):
         parts.append(f"samples/s/device {metrics['samples_per_s_per_device']:.4g}")
     for key, label in (("mfu", "MFU"), ("data_wait_share", "data wait")):

@@ -90,6 +90,8 @@ class SigLIPLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
@@ -147,6 +149,8 @@ class CyCLIPLoss:
     #: train.tiled: the cyclic terms compare whole N×N cosine and Gram matrices entry by entry.
     tiled_unsupported = "its cyclic-consistency terms are sums over the N×N cosine and Gram matrices"
     requires: frozenset[str] = frozenset({"features"})
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
 
     def __init__(self, lambda_cross: float = 0.25, lambda_in: float = 0.25) -> None:
         for name, value in (("lambda_cross", lambda_cross), ("lambda_in", lambda_in)):
@@ -209,6 +213,8 @@ class DecoupledContrastiveLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
@@ -278,6 +284,8 @@ class DebiasedContrastiveLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True

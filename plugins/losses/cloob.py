@@ -77,6 +77,8 @@ class InfoLOOB:
     """
 
     requires: frozenset[str] = frozenset()
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
@@ -110,6 +112,8 @@ class CLOOBLoss:
     """
 
     requires: frozenset[str] = frozenset()
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
     # Row-wise mean: the mean over processes of local losses (own anchors, all candidates) is the
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True

@@ -27,6 +27,8 @@ class InfoNCE:
     supports_local_loss = True
     # Its reductions (lse, argmax, label smoothing's ScaledLogits) run in the fused kernels on CUDA.
     fused_reductions = True
+    #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
+    compiles = True
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         if not 0.0 <= label_smoothing < 1.0:

@@ -58,6 +58,8 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
     #: bf16/fp16 point sets give fp32 logits: the products accumulate and come out in fp32
     #: (``train.similarity_precision: half``; :func:`products`).
     half_features = True
+    #: plain tensor code: train.compile_scope=step compiles it with the loss (clipkit.train.compile)
+    compiles = True
 
     def forward(self, a: PointSet, b: PointSet, *, generator: torch.Generator | None = None) -> Logits:
         """a: [Na, Ma, d], b: [Nb, Mb, d] -> Logits(i2t [Na, Nb], t2i [Nb, Na]); fp32 logits for

@@ -271,6 +271,9 @@ class CosineMeanSimilarity(ScaledEmbeddingTiles, nn.Module):
     prompts' unit embeddings, renormalised) -> PointSet [G, 1, d].
     """
 
+    #: plain tensor code: train.compile_scope=step compiles it with the loss (clipkit.train.compile)
+    compiles = True
+
     def __init__(
         self, init_scale: float = 1 / 0.07, learn_scale: bool = True, max_scale: float | None = 100.0
     ) -> None:

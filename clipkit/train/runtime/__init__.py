@@ -203,6 +203,11 @@ class Runtime:
         """Why exact gradient accumulation cannot run with this strategy (ZeRO-3), or None."""
         return self._strategy.exact_accumulation_refusal
 
+    @property
+    def compile_refusal(self) -> str | None:
+        """Why ``train.compile`` cannot run with this strategy (ZeRO-3), or None."""
+        return self._strategy.compile_refusal
+
     # ------------------------------------------------------------------ wrapping and resuming
 
     def prepare(self, model, optimizer, *, checkpoint: Path | None = None, state: dict | None = None):

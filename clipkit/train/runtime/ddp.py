@@ -26,6 +26,9 @@ class DDPStrategy:
     exact_accumulation_refusal = None  # exact accumulation works with DDP
     divides_by_accumulation_steps = False  # each backward adds its gradient as it is
     parameter_clamp_refusal = None  # bounded parameters are clamped in place after each step
+    # Compiled towers and scoring inside DDP's forward: the reducer's hooks sit on the parameters'
+    # gradient accumulators, which the compiled backward feeds like eager code does.
+    compile_refusal = None
 
     def __init__(self, accelerator, *, precision: str, grad_clip: float) -> None:
         self.accelerator, self.precision, self.grad_clip = accelerator, precision, grad_clip

@@ -59,6 +59,9 @@ class FSDP2Strategy:
     name = "fsdp2"
     exact_accumulation_refusal = None  # the similarity is replicated: the loss pass may use it anywhere
     parameter_clamp_refusal = None  # bounded parameters are clamped in place after each step
+    # Compiled towers around fully_shard'ed blocks: TorchDynamo skips FSDP2's hooks (they run
+    # eagerly between the compiled pieces), the scoring's similarity parameters are replicated.
+    compile_refusal = None
     divides_by_accumulation_steps = False  # each backward adds its (averaged) gradient as it is
     scaler = None  # bf16 needs no loss scaling; fp16 is refused
 

@@ -46,6 +46,7 @@ class Strategy(Protocol):
     # DeepSpeed divides every micro-batch's gradient by the accumulation steps; DDP does not.
     divides_by_accumulation_steps: bool
     parameter_clamp_refusal: str | None  # why bounded parameters cannot be clamped in place, or None
+    compile_refusal: str | None  # why train.compile cannot run under this strategy, or None
 
     def prepare(self, model, optimizer) -> tuple[Any, Any]: ...
     def unwrap(self, model) -> Any: ...
