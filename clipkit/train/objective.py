@@ -26,6 +26,7 @@ from torch import nn
 from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.settings import Decision, Tiling, decide
 from clipkit.train.bounds import Bound, bounded_parameters
+from clipkit.train.distill import Distillation
 from clipkit.train.runtime import Runtime
 
 
@@ -48,6 +49,7 @@ class Objective:
     tile_size: int | None = None
     bounds: tuple[Bound, ...] = ()
     feature_dtype: torch.dtype = torch.float32  # train.similarity_precision: half -> the towers' dtype
+    distill: Distillation | None = None  # train.distill: the teacher's terms (clipkit.train.distill)
 
     @property
     def requires(self) -> frozenset:
@@ -79,10 +81,16 @@ class Objective:
             text_rows = similarity(a, local_b.cast(dtype), generator=rt.generator(step)).t2i  # [n, N]
             ctx = self.context({}, a, b, step, epoch)
             logits = in_fp32(Logits(i2t=image_rows, t2i=text_rows))
-            return self.loss(logits, rt.targets(n, offset=rt.rank * n), ctx)
+            out = self.loss(logits, rt.targets(n, offset=rt.rank * n), ctx)
+            if self.distill is None:
+                return out
+            return self.distill.add(out, logits, local_a.float(), local_b.float(), batch, rt, local=True)
         logits = in_fp32(similarity(a, b, generator=rt.generator(step)))  # the loss reduces in fp32
         ctx = self.context(self.global_fields(batch), a, b, step, epoch)
-        return self.loss(logits, rt.targets(a.batch_size), ctx)
+        out = self.loss(logits, rt.targets(a.batch_size), ctx)
+        if self.distill is None:
+            return out
+        return self.distill.add(out, logits, a.float(), b.float(), batch, rt, local=False)
 
     def tiled(
         self, local_a: PointSet, local_b: PointSet, a: PointSet, b: PointSet, ctx: LossContext, step: int
@@ -178,12 +186,14 @@ def build_objective(
     *,
     num_samples: int = 0,
     total_steps: int | None = None,
+    distill: Distillation | None = None,
 ) -> Objective:
     """The recipe's loss over ``model.similarity`` — built, placed on the runtime's device, checked
     against the runtime (accumulation, local loss) and with the tiling decided.
 
     ``runtime``: the run's (default: one process, this recipe's batch and precision).
     ``num_samples``: samples per epoch (losses with per-sample state size their tables by it).
+    ``distill``: the teacher's terms (``train.distill``; :func:`clipkit.train.distill.build_distillation`).
     """
     from clipkit.config.recipe import section
     from clipkit.model import build_slot
@@ -214,7 +224,14 @@ def build_objective(
         names = ", ".join(bound.name for bound in bounds)
         print(f"note: {names}: {runtime.parameter_clamp_refusal}", file=sys.stderr)
     dtype = feature_dtype(settings.similarity_precision, runtime.precision, model.similarity)
-    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype)
+    if distill is not None and decision.tile_size is not None:
+        from clipkit.errors import ClipkitError
+
+        raise ClipkitError(
+            f"train.distill: the batch of {runtime.plan.global_size} would run tiled (train.tiled), but the "
+            "distillation losses need the full logits; set train.tiled=false"
+        )
+    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype, distill)
 
 
 def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime) -> None:
