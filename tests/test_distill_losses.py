@@ -134,3 +134,21 @@ def test_registered_through_the_plugin_manager():
     assert {"kl", "feature_cosine", "feature_mse"} <= set(registry.names("distill_loss"))
     assert registry.get("distill_loss", "kl").plugin.endswith("losses")
     assert getattr(registry.factory("distill_loss", "feature_mse")(), "compares_features", False)
+
+
+@pytest.mark.parametrize("name", ["kl", "feature_cosine", "feature_mse"])
+def test_built_ins_pass_the_plugin_contract_check(name):
+    from clipkit.contract.testing import check_distill_loss
+
+    check_distill_loss(default_registry().factory("distill_loss", name)())
+
+
+def test_the_contract_check_catches_a_loss_that_trains_the_teacher():
+    from clipkit.contract.testing import check_distill_loss
+    from clipkit.contract.types import LossOutput
+
+    def leaky(student, teacher):
+        return LossOutput((student.image * teacher.image).sum())
+
+    with pytest.raises(AssertionError, match="the teacher got a gradient"):
+        check_distill_loss(leaky)

@@ -27,6 +27,7 @@ import torch
 from clipkit.contract.registry import KINDS, Registry
 from clipkit.contract.types import (
     CONTEXT_FIELDS,
+    DistillView,
     Logits,
     LossContext,
     LossOutput,
@@ -92,6 +93,36 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
     check_optional_members(loss, ("supports_local_loss", "stateful"))
+    return out
+
+
+def check_distill_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
+    """A distillation loss (``register_distill_losses``) maps a student and a teacher
+    :class:`DistillView` to a finite scalar with gradients to the student's logits or embeddings
+    (none to the teacher's), and float-able metrics."""
+    a, b = random_points(batch, 1, dim, seed=1), random_points(batch, 1, dim, seed=2)
+    teacher_a, teacher_b = random_points(batch, 1, dim, seed=3), random_points(batch, 1, dim, seed=4)
+    student_logits = Logits.symmetric((a.points[:, 0] @ b.points[:, 0].t()) * 10)
+    teacher_logits = Logits.symmetric((teacher_a.points[:, 0] @ teacher_b.points[:, 0].t()) * 10)
+    student = DistillView(student_logits, a.points[:, 0], b.points[:, 0])
+    teacher = DistillView(teacher_logits, teacher_a.points[:, 0], teacher_b.points[:, 0])
+    out = loss(student, teacher)
+    assert isinstance(out, LossOutput), (
+        f"a distillation loss must return LossOutput, got {type(out).__name__}"
+    )
+    assert out.loss.dim() == 0, f"the loss must be a scalar, got shape {tuple(out.loss.shape)}"
+    assert torch.isfinite(out.loss), f"the loss is not finite: {out.loss}"
+    out.loss.backward()
+    assert a.points.grad is not None and torch.isfinite(a.points.grad).all(), (
+        "no finite gradient reaches the student"
+    )
+    assert teacher_a.points.grad is None or not teacher_a.points.grad.abs().sum(), (
+        "the teacher got a gradient"
+    )
+    for key, value in out.metrics.items():
+        float(value)
+        assert isinstance(key, str), f"metric names must be strings, got {key!r}"
+    check_optional_members(loss, ("compares_features",))
     return out
 
 

@@ -51,7 +51,7 @@ class KLDistillation:
         ]  # (kl, cross-entropy) for i2t, then t2i
         kl = (directions[0][0] + directions[1][0]) / 2
         cross_entropy = (directions[0][1] + directions[1][1]) / 2
-        return LossOutput(kl, {"kl": kl.detach(), "cross_entropy": cross_entropy.detach()})
+        return LossOutput(kl, {"cross_entropy": cross_entropy.detach()})
 
     def direction(self, student: Tensor, teacher: Tensor) -> tuple[Tensor, Tensor]:
         """student, teacher [Na, Nb] logits -> (mean KL over rows, mean cross-entropy over rows)."""
