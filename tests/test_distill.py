@@ -260,3 +260,38 @@ def test_shard_teacher_options_are_checked_before_anything_is_read(tmp_path, tea
                                   "--teacher-augment", "image_size=3"])  # fmt: skip
     assert unknown.exit_code == 2 and "not augmentation keys" in unknown.output
     assert not (tmp_path / "x").exists()
+
+
+def test_a_hugging_face_clip_directory_teaches_through_its_own_tokenizer_and_size(tmp_path):
+    """An HF CLIPModel directory (clip_bpe tokens, 32 px, its own mean/std, width 16) teaches the
+    hashed-words 48 px 64-wide student: the loader tokenizes the caption for it and the step
+    resamples the student's crop; its embeddings are those the interop reader's model gives."""
+    from test_interop_hf import hf_model, save_hf
+
+    teacher_dir = save_hf(hf_model(), tmp_path / "hf")
+    teacher = Teacher.load(teacher_dir, default_registry())
+    assert (teacher.dim, teacher.transform.image_size) == (16, 32)
+    assert not teacher.shares_tokens({"name": "hashed_words", "vocab_size": 1024, "context_length": 16})
+    student = build_transform(load_recipe(SMOKE, [], registry=default_registry()), train=False)
+    images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    adapted = teacher.images_from(images, student)
+    pixels = images * torch.tensor(student.std).view(1, 3, 1, 1) + torch.tensor(student.mean).view(1, 3, 1, 1)
+    resized = torch.nn.functional.interpolate(pixels, size=(32, 32), mode="bicubic", antialias=True)
+    mean, std = torch.tensor(teacher.transform.mean), torch.tensor(teacher.transform.std)
+    assert torch.allclose(adapted, (resized - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1), atol=1e-6)
+    run = tmp_path / "run"
+    overrides = ["train.steps=2", "train.log_every=1", "train.export=false", "data.batch_size=16",
+                 "data.num_workers=0", f"data.source={SOURCE}", f"data.shards={tmp_path / 'shards'}",
+                 f"train.distill.teacher={teacher_dir}"]  # fmt: skip
+    api.train(SMOKE, overrides, run_dir=run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["distill/kl"] > 0 for row in rows if "distill/kl" in row] == [True, True]
+
+
+def test_a_missing_teacher_is_named(tmp_path):
+    registry = default_registry()
+    recipe = recipe_for(tmp_path / "s", f"train.distill.teacher={tmp_path / 'nowhere'}")
+    model = build_model(recipe, registry)
+    runtime = build_objective(recipe, registry, model).runtime
+    with pytest.raises(ClipkitError, match=r"train.distill.teacher: .*nowhere does not exist"):
+        build_distillation(recipe, registry, runtime, model.transform, None)

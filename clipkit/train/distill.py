@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -152,6 +153,11 @@ def build_distillation(
         stored = stored_teacher(shards, section(recipe, "data"))
         check_widths(losses, stored.dim, student_dim, f"{shards} (stored teacher)")
         return Distillation(losses, stored.scale, stored.bias)
+    if not Path(config.teacher).exists():
+        raise ClipkitError(
+            f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
+            "Hugging Face CLIP directory)"
+        )
     teacher = Teacher.load(config.teacher, registry, runtime.device)
     check_widths(losses, teacher.dim, student_dim, config.teacher)
     shares = teacher.shares_tokens(section(recipe, "model").tokenizer)
