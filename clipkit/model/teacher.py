@@ -128,10 +128,10 @@ class Teacher:
         return self.tokenizer_config is not None and self.tokenizer_config == student_tokenizer_config
 
     def images_from(self, images: Tensor, student: ImageTransform) -> Tensor:
-        """The student's preprocessed images [B, 3, S, S] -> the teacher's input [B, 3, S_t, S_t]: the
-        same pixels when both preprocess alike, else the same crop resampled and renormalised."""
+        """The student's preprocessed images [B, 3, S, S] -> the teacher's fp32 input [B, 3, S_t, S_t]:
+        the same pixels when both preprocess alike, else the same crop resampled and renormalised."""
         if self.shares_preprocessing(student):
-            return images
+            return images.float()  # fp32 like the teacher (DeepSpeed hands half-precision inputs)
         shape = (1, 3, 1, 1)
         pixels = images.float() * torch.tensor(student.std, device=images.device).view(shape)
         pixels = pixels + torch.tensor(student.mean, device=images.device).view(shape)
