@@ -133,18 +133,14 @@ def build_distillation(
     config = distill_config(recipe)
     if config is None:
         return None
+    names = [entry["name"] for entry in config.losses]
     losses = tuple(
         WeightedLoss(
-            entry["name"],
+            name if names.count(name) == 1 else f"{name}.{i}",  # two entries of one loss log apart
             float(entry.get("weight", 1.0)),
-            build_slot(
-                registry,
-                "distill_loss",
-                {k: v for k, v in entry.items() if k != "weight"},
-                f"train.distill.losses.{i}",
-            ),  # fmt: skip
+            build_slot(registry, "distill_loss", without_weight(entry), f"train.distill.losses.{i}"),
         )
-        for i, entry in enumerate(config.losses)
+        for i, (name, entry) in enumerate(zip(names, config.losses, strict=True))
     )
     student_dim = section(recipe, "model").embed_dim
     if config.stored:
@@ -169,6 +165,11 @@ def build_distillation(
             file=sys.stderr,
         )
     return Distillation(losses, teacher.scale, teacher.bias, teacher, student_transform, shares)
+
+
+def without_weight(entry: dict) -> dict:
+    """A ``train.distill.losses`` entry as its factory's slot (the host keeps ``weight``)."""
+    return {key: value for key, value in entry.items() if key != "weight"}
 
 
 def check_widths(losses: tuple[WeightedLoss, ...], teacher_dim: int, student_dim: int, where: str) -> None:
