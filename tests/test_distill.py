@@ -295,3 +295,35 @@ def test_a_missing_teacher_is_named(tmp_path):
     runtime = build_objective(recipe, registry, model).runtime
     with pytest.raises(ClipkitError, match=r"train.distill.teacher: .*nowhere does not exist"):
         build_distillation(recipe, registry, runtime, model.transform, None)
+
+
+def test_clipkit_shard_teacher_writes_the_views_it_is_asked_for(tmp_path, teacher_dir):
+    from typer.testing import CliRunner
+
+    from clipkit.app.cli import make_app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(make_app(), [
+        "shard", "synthetic://shapes?n=6&split=train&image_size=48", str(out), "--teacher", str(teacher_dir),
+        "--teacher-views", "3", "--teacher-seed", "4", "--teacher-augment", "crop_scale=[0.6,1.0]",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "manifest.json").read_text())["info"]["teacher"]
+    assert (info["views"], info["seed"], info["augment"]["crop_scale"]) == (3, 4, [0.6, 1.0])
+    record = tar_records(out)["000000005"]
+    assert json.loads(record[SEEDS_MEMBER])["seeds"] == ["aug:4:0:5", "aug:4:1:5", "aug:4:2:5"]
+    assert np.load(io.BytesIO(record[IMAGE_MEMBER])).shape == (3, info["dim"])
+
+
+def test_two_entries_of_one_loss_log_apart(stored):
+    out, _ = stored
+    registry = default_registry()
+    losses = "train.distill.losses=[{name: kl}, {name: kl, temperature: 2.0, weight: 0.5}]"
+    recipe = recipe_for(out, *RECIPE_AUGMENT, "train.distill.stored=true", losses)
+    model = build_model(recipe, registry)
+    distill = build_distillation(recipe, registry, build_objective(recipe, registry, model).runtime,
+                                 model.transform, str(out))  # fmt: skip
+    assert [(e.name, e.weight, e.loss.temperature) for e in distill.losses] == [
+        ("kl.0", 1.0, 1.0),
+        ("kl.1", 0.5, 2.0),
+    ]
