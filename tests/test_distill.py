@@ -24,7 +24,7 @@ from clipkit.data.transforms import decode_transformed
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import build_model, build_transform
 from clipkit.model.teacher import Teacher
-from clipkit.train.distill import build_distillation
+from clipkit.train.distill import build_distillation, teacher_tokenizer
 from clipkit.train.objective import build_objective
 from clipkit.train.step import TrainingStep
 
@@ -262,30 +262,47 @@ def test_shard_teacher_options_are_checked_before_anything_is_read(tmp_path, tea
     assert not (tmp_path / "x").exists()
 
 
-def test_a_hugging_face_clip_directory_teaches_through_its_own_tokenizer_and_size(tmp_path):
+def test_a_hugging_face_clip_directory_teaches_through_its_own_tokenizer_and_size(tmp_path, stored):
     """An HF CLIPModel directory (clip_bpe tokens, 32 px, its own mean/std, width 16) teaches the
-    hashed-words 48 px 64-wide student: the loader tokenizes the caption for it and the step
-    resamples the student's crop; its embeddings are those the interop reader's model gives."""
+    hashed-words 48 px 64-wide student: the loader tokenizes each drawn caption for it and the step
+    resamples the student's crop; its embeddings are those of the interop reader's model."""
     from test_interop_hf import hf_model, save_hf
 
     teacher_dir = save_hf(hf_model(), tmp_path / "hf")
-    teacher = Teacher.load(teacher_dir, default_registry())
-    assert (teacher.dim, teacher.transform.image_size) == (16, 32)
-    assert not teacher.shares_tokens({"name": "hashed_words", "vocab_size": 1024, "context_length": 16})
-    student = build_transform(load_recipe(SMOKE, [], registry=default_registry()), train=False)
-    images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
-    adapted = teacher.images_from(images, student)
-    pixels = images * torch.tensor(student.std).view(1, 3, 1, 1) + torch.tensor(student.mean).view(1, 3, 1, 1)
+    out, _ = stored
+    registry = default_registry()
+    recipe = recipe_for(out, f"train.distill.teacher={teacher_dir}")
+    assert validate(recipe, registry) == []
+    torch.manual_seed(0)
+    model = build_model(recipe, registry)
+    objective = build_objective(recipe, registry, model)
+    distill = build_distillation(recipe, registry, objective.runtime, model.transform, str(out))
+    teacher, objective.distill = distill.teacher, distill
+    assert (teacher.dim, teacher.transform.image_size, distill.shares_tokens) == (16, 32, False)
+    inputs = DistillInputs(tokenizer=teacher_tokenizer(distill))
+    transform = build_transform(recipe, train=True)
+    stream = BatchStream(out, batch_size=16, transform=transform, tokenizer=model.tokenizer, seed=0,
+                         shuffle_buffer=0, distill=inputs)  # fmt: skip
+    batch = next(iter(stream))
+    assert batch["teacher_tokens"].shape[0] == 16 and not torch.equal(
+        batch["teacher_tokens"][:, :16], batch["text"]
+    )
+    student = model.transform
+    pixels = batch["image"] * torch.tensor(student.std).view(1, 3, 1, 1) + torch.tensor(student.mean).view(
+        1, 3, 1, 1
+    )
     resized = torch.nn.functional.interpolate(pixels, size=(32, 32), mode="bicubic", antialias=True)
-    mean, std = torch.tensor(teacher.transform.mean), torch.tensor(teacher.transform.std)
-    assert torch.allclose(adapted, (resized - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1), atol=1e-6)
-    run = tmp_path / "run"
-    overrides = ["train.steps=2", "train.log_every=1", "train.export=false", "data.batch_size=16",
-                 "data.num_workers=0", f"data.source={SOURCE}", f"data.shards={tmp_path / 'shards'}",
-                 f"train.distill.teacher={teacher_dir}"]  # fmt: skip
-    api.train(SMOKE, overrides, run_dir=run)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["distill/kl"] > 0 for row in rows if "distill/kl" in row] == [True, True]
+    mean, std = (
+        torch.tensor(teacher.transform.mean).view(1, 3, 1, 1),
+        torch.tensor(teacher.transform.std).view(1, 3, 1, 1),
+    )
+    expected = teacher.embed((resized - mean) / std, batch["teacher_tokens"])
+    got = distill.local_embeddings(batch)
+    assert torch.allclose(got[0], expected.image, atol=1e-6) and torch.equal(got[1], expected.text)
+    loss, out_ = TrainingStep(model, objective)(batch, 0, 0.0)
+    assert out_.metrics["distill/kl"] > 0 and torch.isfinite(loss)
+    loss.backward()
+    assert not any(p.grad is not None for p in teacher.model.parameters())
 
 
 def test_a_missing_teacher_is_named(tmp_path):
