@@ -344,3 +344,37 @@ def test_two_entries_of_one_loss_log_apart(stored):
         ("kl.0", 1.0, 1.0),
         ("kl.1", 0.5, 2.0),
     ]
+
+
+def test_the_docs_third_party_distillation_loss_registers_and_trains(stored):
+    """docs/distillation.md's RelationalKD plugin, registered through the plugin manager beside the
+    built-ins, listed in train.distill.losses and run in a step."""
+    import re
+    import types
+    from pathlib import Path
+
+    from clipkit.contract.manager import make_plugin_manager
+    from clipkit.contract.registry import Registry
+    from clipkit.contract.testing import check_distill_loss
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distillation.md").read_text(encoding="utf-8")
+    source = next(
+        b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "register_distill_losses" in b
+    )
+    plugin = types.ModuleType("relational_plugin")
+    exec(compile(source, "docs/distillation.md", "exec"), plugin.__dict__)
+    registry = Registry(make_plugin_manager(autoload=False, extra_plugins=[plugin]))
+    assert registry.get("distill_loss", "relational").plugin != registry.get("distill_loss", "kl").plugin
+    check_distill_loss(registry.factory("distill_loss", "relational")())
+    out, _ = stored
+    losses = "train.distill.losses=[{name: kl}, {name: relational, weight: 0.1}]"
+    recipe = recipe_for(out, *RECIPE_AUGMENT, "train.distill.stored=true", losses)
+    assert validate(recipe, registry) == []
+    model = build_model(recipe, registry)
+    objective = build_objective(recipe, registry, model)
+    objective.distill = build_distillation(recipe, registry, objective.runtime, model.transform, str(out))
+    transform = build_transform(recipe, train=True)
+    stream = BatchStream(out, batch_size=16, transform=transform, tokenizer=model.tokenizer, seed=0,
+                         shuffle_buffer=0, distill=DistillInputs(stored=True))  # fmt: skip
+    _, result = TrainingStep(model, objective)(next(iter(stream)), 0, 0.0)
+    assert result.metrics["distill/relational"] > 0 and result.metrics["distill/kl"] > 0
