@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import tarfile
 
 import numpy as np
@@ -378,3 +379,23 @@ def test_the_docs_third_party_distillation_loss_registers_and_trains(stored):
                          shuffle_buffer=0, distill=DistillInputs(stored=True))  # fmt: skip
     _, result = TrainingStep(model, objective)(next(iter(stream)), 0, 0.0)
     assert result.metrics["distill/relational"] > 0 and result.metrics["distill/kl"] > 0
+
+
+def test_damaged_stored_members_are_named():
+    from clipkit.data.teacher_shards import encode_array, stored_view
+
+    good = {IMAGE_MEMBER: encode_array(np.ones((2, 4))), TEXT_MEMBER: encode_array(np.ones((1, 4))),
+            SEEDS_MEMBER: b'{"seeds": ["aug:0:0:7", "aug:0:1:7"]}'}  # fmt: skip
+    view = stored_view(good, 3, "sample 7")
+    assert view.seed == "aug:0:1:7" and view.image.tolist() == [1.0] * 4 and view.texts.shape == (1, 4)
+    cases = {
+        "has no teacher_text.npy": {k: v for k, v in good.items() if k != TEXT_MEMBER},
+        "cannot be read as a .npy array": {**good, IMAGE_MEMBER: b"not numpy"},
+        "expected a float32": {**good, IMAGE_MEMBER: encode_array(np.ones(4))},
+        'is not {"seeds"': {**good, SEEDS_MEMBER: b"[1, 2]"},
+        "1 seeds for 2 stored views": {**good, SEEDS_MEMBER: b'{"seeds": ["x"]}'},
+    }
+    for message, record in cases.items():
+        with pytest.raises(DataError, match=re.escape(message)) as raised:
+            stored_view(record, 0, "sample 7")
+        assert str(raised.value).startswith("sample 7")

@@ -335,10 +335,16 @@ def stored_embeddings(stored: list, drawn: list[int], samples) -> dict[str, torc
                 f"embeddings for {len(sample.captions)} captions; re-shard with --teacher"
             )
         texts.append(view.texts[caption])
-    return {
-        "teacher_image": torch.from_numpy(np.stack([view.image for view in stored])),
-        "teacher_text": torch.from_numpy(np.stack(texts)),
-    }
+    try:
+        images, texts = np.stack([view.image for view in stored]), np.stack(texts)
+    except ValueError:  # rows of different widths: samples of another teacher mixed in
+        widths = sorted({view.image.shape[0] for view in stored} | {text.shape[0] for text in texts})
+        keys = ", ".join(str(sample.key) for sample in samples[:3])
+        raise DataError(
+            f"stored teacher embeddings of widths {widths} in one batch (samples {keys}, ...): the shards "
+            "were made with different teachers; re-shard with one --teacher"
+        ) from None
+    return {"teacher_image": torch.from_numpy(images), "teacher_text": torch.from_numpy(texts)}
 
 
 def metric_label(position: int, name: str) -> str:
