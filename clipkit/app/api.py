@@ -99,10 +99,13 @@ def shard(
     opened = open_source(source, options, pm=registry.pm)
     settings = {key: value for key, value in (options or {}).items() if key not in resume_may_change}
     if teacher is not None:
+        import torch
+
         from clipkit.data.teacher_shards import TeacherAnnotated
         from clipkit.model.teacher import Teacher
 
-        opened = TeacherAnnotated(opened, Teacher.load(teacher.path, registry), teacher)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the teacher embeds on the GPU if any
+        opened = TeacherAnnotated(opened, Teacher.load(teacher.path, registry, device), teacher)
         settings["teacher"] = teacher.settings()
     return write_shards(
         opened,
