@@ -168,6 +168,7 @@ def test_a_step_on_stored_embeddings_scores_what_the_live_teacher_scores(stored,
     assert live_loss.item() == pytest.approx(float(expected), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_training_with_a_live_teacher_of_another_width_and_size_and_with_stored_ones(
     tmp_path, stored, teacher_dir
 ):
@@ -263,6 +264,7 @@ def test_shard_teacher_options_are_checked_before_anything_is_read(tmp_path, tea
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_a_hugging_face_clip_directory_teaches_through_its_own_tokenizer_and_size(tmp_path, stored):
     """An HF CLIPModel directory (clip_bpe tokens, 32 px, its own mean/std, width 16) teaches the
     hashed-words 48 px 64-wide student: the loader tokenizes each drawn caption for it and the step
