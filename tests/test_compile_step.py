@@ -205,3 +205,14 @@ def test_the_loop_logs_the_first_step_apart_when_compiling(registry, in_tmp, cap
         2 * trainer.runtime.plan.global_size / (metrics["step_ms"] * 2 / 1e3)
     )
     assert "train.compile: the first step took" in capsys.readouterr().err
+
+
+def test_a_run_with_distillation_keeps_its_scoring_eager_with_the_reason():
+    """train.distill adds the teacher's terms from the logits in eager code: compile_scope: step
+    falls back (the towers still compile) instead of dropping the teacher."""
+    from types import SimpleNamespace
+
+    from clipkit.train.compile import scoring_refusal
+
+    objective = SimpleNamespace(tile_size=None, distill=object(), similarity=None, loss=None)
+    assert "train.distill" in scoring_refusal(objective)

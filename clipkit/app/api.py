@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipkit.contract.registry import Registry, default_registry
+from clipkit.data.teacher_shards import TeacherSpec
 from clipkit.errors import ClipkitError
 
 if TYPE_CHECKING:
@@ -75,11 +76,13 @@ def shard(
     registry: Registry | None = None,
     progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    teacher: TeacherSpec | None = None,
 ) -> dict:
     """Write ``source`` as WebDataset shards + manifest.json in ``out``; returns the manifest.
 
     An interrupted run leaves ``out.partial``; calling again with the same arguments continues it.
     ``out`` must be absent, empty or a shard set of ``source``; ``overwrite`` replaces any other folder.
+    ``teacher``: store that model's embeddings of every sample (:mod:`clipkit.data.teacher_shards`).
     """
     from clipkit.data.download import Downloader
     from clipkit.data.shard import open_source
@@ -94,6 +97,16 @@ def shard(
     check_output_path(Path(out), "shard directory")  # before the source is read
     registry = registry or default_registry()
     opened = open_source(source, options, pm=registry.pm)
+    settings = {key: value for key, value in (options or {}).items() if key not in resume_may_change}
+    if teacher is not None:
+        import torch
+
+        from clipkit.data.teacher_shards import TeacherAnnotated
+        from clipkit.model.teacher import Teacher
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the teacher embeds on the GPU if any
+        opened = TeacherAnnotated(opened, Teacher.load(teacher.path, registry, device), teacher)
+        settings["teacher"] = teacher.settings()
     return write_shards(
         opened,
         out,
@@ -101,7 +114,7 @@ def shard(
         info=opened.info(),
         samples_per_shard=samples_per_shard,
         max_shard_bytes=max_shard_bytes,
-        settings={key: value for key, value in (options or {}).items() if key not in resume_may_change},
+        settings=settings,
         progress=progress,
         overwrite=overwrite,
     )

@@ -94,6 +94,21 @@ def console():
     return Console(width=PIPE_WIDTH if piped else None)
 
 
+def teacher_spec(path, views: int, seed: int, augment: list[str] | None, batch_size: int):
+    """``clipkit shard --teacher``'s options as a TeacherSpec (None without --teacher)."""
+    from clipkit.data.teacher_shards import TeacherSpec, augment_settings
+
+    if path is None:
+        if augment or views != 1:
+            raise typer.BadParameter("--teacher-views / --teacher-augment need --teacher MODEL_DIR")
+        return None
+    if views < 1 or batch_size < 1:
+        raise typer.BadParameter("--teacher-views and --teacher-batch-size must be >= 1")
+    pairs = dict(parse_pairs(augment or [], typed=True))
+    augment_settings(pairs)  # a clear error before the model or the source is opened
+    return TeacherSpec(str(path), views, seed, pairs, batch_size)
+
+
 @fails_cleanly
 def shard_command(
     source: Annotated[
@@ -120,6 +135,30 @@ def shard_command(
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)] = False,
+    teacher: Annotated[
+        str,
+        typer.Option(
+            help="Store this model's image and text embeddings of every sample (a clipkit export, open_clip "
+            "or Hugging Face CLIP directory) for train.distill.stored (docs/distillation.md)"
+        ),
+    ] = None,
+    teacher_views: Annotated[
+        int, typer.Option(help="With --teacher: augmented views embedded per image")
+    ] = 1,
+    teacher_seed: Annotated[
+        int,
+        typer.Option(
+            help="With --teacher: view k uses the loader's augmentation seed of epoch k for this seed"
+        ),
+    ] = 0,
+    teacher_augment: Annotated[
+        list[str],
+        typer.Option(
+            help="With --teacher: a data.* augmentation key=value the views are drawn with (crop_scale, "
+            "crop_ratio, hflip, color_jitter, grayscale, background); none: the centre crop"
+        ),
+    ] = None,
+    teacher_batch_size: Annotated[int, typer.Option(help="With --teacher: samples embedded at a time")] = 64,
 ):
     """Turn a data source into WebDataset shards with a manifest (global index per sample).
 
@@ -135,7 +174,11 @@ def shard_command(
     options = dict(parse_pairs(option or []))
     if strict:
         options["strict"] = "true"
+    spec = teacher_spec(teacher, teacher_views, teacher_seed, teacher_augment, teacher_batch_size)
     if split is not None:
+        if spec is not None:
+            raise typer.BadParameter("--teacher with --split: shard each part apart (the views' seeds "
+                                     "follow each set's own indices)")  # fmt: skip
         with step_progress("sharding", total=None) as report:
             manifests = api.shard_split(
                 source, out, split, options=options, registry=registry(), samples_per_shard=samples_per_shard,
@@ -156,6 +199,7 @@ def shard_command(
             registry=registry(),
             progress=report,
             overwrite=overwrite,
+            teacher=spec,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
     from clipkit.data.shard_writer import skipped_rows_line
@@ -171,8 +215,10 @@ def print_image_counts(manifest: dict) -> None:
     info = manifest.get("info") or {}
     alpha, flattened = info.get("alpha_images", 0), info.get("alpha_flattened", 0)
     if info.get("background") is not None:
-        typer.echo(f"flattened {flattened} of {manifest.get('n', '?')} image(s) with transparency onto "
-                   f"{info.get('background')} (stored as PNG)")  # fmt: skip
+        typer.echo(
+            f"flattened {flattened} of {manifest.get('n', '?')} image(s) with transparency onto "
+            f"{info.get('background')} (stored as PNG)"
+        )
     elif alpha:
         typer.echo(f"{alpha} image(s) with transparency: composited onto data.background (default white) "
                    "when loaded; -o background=COLOUR does it now")  # fmt: skip

@@ -24,6 +24,7 @@ from clipkit.config.dotted import get_path, lookup
 from clipkit.config.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.config.recipe.DataConfig
     SECTIONS,
     DataConfig,
+    DistillConfig,
     DistributedConfig,
     EmaConfig,
     LoraConfig,
@@ -450,6 +451,9 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
 
     typed = {error.partition(":")[0] for error in errors}
     errors += [e for e in tiling.validation_errors(recipe, registry) if e.partition(":")[0] not in typed]
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    if train.get("distill"):
+        errors += _check_distill(recipe, train["distill"], registry)
     return errors
 
 
@@ -744,6 +748,83 @@ def ema_refusal(strategy: str, zero_stage: int) -> str | None:
         "needs its own checkpoint layout, not implemented); use strategy ddp or deepspeed with "
         "zero_stage 1 or 2"
     )
+
+
+def _check_distill(recipe: dict, distill: Any, registry: Registry) -> list[str]:
+    """``train.distill``: its keys, one teacher source, each listed loss bound to its factory, and
+    the settings it cannot run with (each refusal says why)."""
+    if not isinstance(distill, dict):
+        return ["train.distill: must be a mapping (teacher, stored, losses)"]
+    errors = _check_section(distill, "train.distill", DistillConfig)
+    teacher, stored = distill.get("teacher"), distill.get("stored", False)
+    if stored is True and teacher:
+        errors.append(
+            "train.distill.teacher: stored: true reads the teacher's embeddings from the shards; "
+            "drop teacher (or set stored: false to run it)"
+        )
+    elif stored is not True and not (isinstance(teacher, str) and teacher):
+        errors.append(
+            "train.distill: name the teacher (train.distill.teacher=MODEL_DIR, run in the same "
+            "step) or read stored embeddings (train.distill.stored=true, shards from "
+            "`clipkit shard --teacher`)"
+        )
+    losses = distill.get("losses", DistillConfig().losses)
+    if not isinstance(losses, list) or not losses:
+        return errors + ["train.distill.losses: must be a non-empty list of {name, weight, ...}"]
+    for i, entry in enumerate(losses):
+        path = f"train.distill.losses.{i}"
+        if isinstance(entry, dict) and "weight" in entry:
+            weight = entry["weight"]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+                errors.append(f"{path}.weight: must be a number >= 0, got {weight!r}")
+            entry = {k: v for k, v in entry.items() if k != "weight"}
+        errors += check_slot(entry, path, "distill_loss", frozenset(), registry)
+    return errors + [f"train.distill: {why}" for why in distill_refusals(recipe, bool(stored is True))]
+
+
+def distill_refusals(recipe: dict, stored: bool) -> list[str]:
+    """Why distillation cannot run with the recipe's other settings (empty when it can)."""
+    model, data, train = (
+        recipe.get(k) if isinstance(recipe.get(k), dict) else {} for k in ("model", "data", "train")
+    )
+    distributed = train.get("distributed") if isinstance(train.get("distributed"), dict) else {}
+    refusals = []
+    if model.get("pair", "image_text") != "image_text":
+        refusals.append(
+            "needs an image-text model (model.pair: image_text); the teacher compares images with captions"
+        )
+    if train.get("micro_batch_size", 0):
+        refusals.append(
+            "not combined with train.micro_batch_size: exact accumulation scores cached "
+            "features in a second pass the teacher's terms are not part of; use a batch "
+            "that fits, or more processes"
+        )
+    if train.get("tiled") is True:
+        refusals.append("needs the full logits (the KL compares whole rows); set train.tiled=false")
+    sharded = distributed.get("strategy") == "fsdp2" or (
+        distributed.get("strategy") == "deepspeed" and distributed.get("zero_stage", 2) == 3
+    )
+    if sharded and not stored:
+        refusals.append(
+            "a live teacher is not supported with ZeRO-3 or FSDP2: the teacher is held whole "
+            "and unsharded on every process, which defeats sharding the student; store its "
+            "embeddings (`clipkit shard --teacher`, train.distill.stored=true), or use "
+            "ZeRO-1/2 or DDP"
+        )
+    if stored and data.get("augment") == "batched":
+        refusals.append(
+            "stored embeddings need data.augment: sample (the loader replays each stored "
+            "view's crop from its seed; batched crops are drawn on the device per step)"
+        )
+    if stored and data.get("stream") is not None:
+        refusals.append("stored embeddings are read from shards, not from a registered data.stream")
+    return refusals
+
+
+def distill_config(recipe: dict) -> DistillConfig | None:
+    """The typed ``train.distill`` section, or None when the recipe distils nothing."""
+    distill = section(recipe, "train").distill or {}
+    return DistillConfig(**distill) if distill else None
 
 
 def ema_config(recipe: dict) -> EmaConfig | None:

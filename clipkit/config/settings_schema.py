@@ -191,6 +191,25 @@ class TrainConfig:
     # Weight EMA (EmaConfig, clipkit.train.ema): an fp32 moving average of the trainable weights,
     # on when this mapping is non-empty (e.g. train.ema.decay=0.999)
     ema: dict = field(default_factory=dict)
+    # Distillation from a frozen teacher (DistillConfig, docs/distillation.md): on when this mapping
+    # is non-empty (e.g. train.distill.teacher=runs/big/export)
+    distill: dict = field(default_factory=dict)
+
+
+@dataclass
+class DistillConfig:
+    """``train.distill:`` — learn from a frozen teacher beside the contrastive loss (clipkit.train.distill).
+
+    The loss is ``contrastive + Σ weight_k · distill_k(student, teacher)`` over ``losses``, each a
+    registered distillation loss (``register_distill_losses``: kl, feature_cosine, feature_mse) with
+    its ``weight`` and arguments. The teacher is a model directory run in the same step (``teacher``:
+    a clipkit export, an open_clip or Hugging Face CLIP directory), or the embeddings
+    ``clipkit shard --teacher`` stored in the shards (``stored: true``; no teacher is loaded).
+    """
+
+    teacher: str | None = None  # the teacher model's directory (live teacher); null with stored: true
+    stored: bool = False  # read the teacher's embeddings from the shards instead of running it
+    losses: list = field(default_factory=lambda: [{"name": "kl", "weight": 1.0}])
 
 
 @dataclass
@@ -239,6 +258,7 @@ SCHEMA = {
     **SECTIONS,
     "train.distributed": DistributedConfig,
     "train.ema": EmaConfig,
+    "train.distill": DistillConfig,
     "model.lora": LoraConfig,
 }
 

@@ -64,6 +64,17 @@ def register_losses(register):
 
 
 @hookspec
+def register_distill_losses(register):
+    """Register distillation losses: ``factory(**kwargs) -> DistillLoss``, a callable
+    ``(student, teacher) -> LossOutput`` over two :class:`clipkit.contract.types.DistillView`
+    (similarity logits and the anchors' image and text embeddings). A recipe lists them in
+    ``train.distill.losses`` (``[{name, weight, ...kwargs}]``); the host adds ``weight ×`` each loss
+    to the contrastive loss (docs/distillation.md). A loss comparing embeddings one to one declares
+    ``compares_features = True`` (the host then requires equal student and teacher widths).
+    """
+
+
+@hookspec
 def register_optimizers(register):
     """Register optimizer factories: ``factory(named_parameters, **kwargs) -> torch.optim.Optimizer``.
 

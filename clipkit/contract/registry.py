@@ -24,6 +24,7 @@ KINDS = {
     "tokenizer": "register_tokenizers",
     "similarity": "register_similarities",
     "loss": "register_losses",
+    "distill_loss": "register_distill_losses",
     "optimizer": "register_optimizers",
     "schedule": "register_schedules",
     "eval": "register_evals",

@@ -27,6 +27,7 @@ import torch
 from clipkit.contract.registry import KINDS, Registry
 from clipkit.contract.types import (
     CONTEXT_FIELDS,
+    DistillView,
     Logits,
     LossContext,
     LossOutput,
@@ -92,6 +93,38 @@ def check_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
         float(value)  # every metric must convert to a float for loggers
         assert isinstance(key, str), f"metric names must be strings, got {key!r}"
     check_optional_members(loss, ("supports_local_loss", "stateful", "compiles"))
+    return out
+
+
+def check_distill_loss(loss, batch: int = 6, dim: int = 8) -> LossOutput:
+    """A distillation loss (``register_distill_losses``) maps a student and a teacher
+    :class:`DistillView` (the teacher's without gradient, as the host hands it) to a finite scalar
+    with a finite gradient to the student, and float-able metrics."""
+    a, b = random_points(batch, 1, dim, seed=1), random_points(batch, 1, dim, seed=2)
+    teacher_a, teacher_b = (
+        random_points(batch, 1, dim, seed=3).detach(),
+        random_points(batch, 1, dim, seed=4).detach(),
+    )
+    student_logits = Logits.symmetric((a.points[:, 0] @ b.points[:, 0].t()) * 10)
+    teacher_logits = Logits.symmetric((teacher_a.points[:, 0] @ teacher_b.points[:, 0].t()) * 10)
+    student = DistillView(student_logits, a.points[:, 0], b.points[:, 0])
+    teacher = DistillView(teacher_logits, teacher_a.points[:, 0], teacher_b.points[:, 0])
+    out = loss(student, teacher)
+    assert isinstance(out, LossOutput), (
+        f"a distillation loss must return LossOutput, got {type(out).__name__}"
+    )
+    assert out.loss.dim() == 0, f"the loss must be a scalar, got shape {tuple(out.loss.shape)}"
+    assert torch.isfinite(out.loss), f"the loss is not finite: {out.loss}"
+    assert out.loss.requires_grad, "the loss does not depend on the student"
+    out.loss.backward()
+    gradients = [t.grad for t in (a.points, b.points) if t.grad is not None]
+    assert gradients and all(torch.isfinite(g).all() for g in gradients), (
+        "no finite gradient reaches the student"
+    )
+    for key, value in out.metrics.items():
+        float(value)
+        assert isinstance(key, str), f"metric names must be strings, got {key!r}"
+    check_optional_members(loss, ("compares_features",))
     return out
 
 

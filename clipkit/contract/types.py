@@ -376,11 +376,45 @@ class Loss(Protocol):
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput: ...
 
 
+class DistillView(NamedTuple):
+    """One side of a distillation comparison (``train.distill``, docs/distillation.md): the student's
+    or the teacher's view of the same anchors.
+
+    logits: :class:`Logits` over the same rows and columns for both sides — i2t [Na, Nb] image
+            anchors against text candidates, t2i [Nb', Na'] text anchors against image candidates,
+            each side scaled by its own similarity (the teacher's own logit scale).
+    image:  [Na, d] the image anchors' embeddings (the i2t rows), fp32.
+    text:   [Nb', d] the text anchors' embeddings (the t2i rows), fp32.
+
+    The full batch (global loss) or this process's anchors against the global candidates (local
+    loss); d may differ between student and teacher.
+    """
+
+    logits: Logits
+    image: Tensor
+    text: Tensor
+
+
+@runtime_checkable
+class DistillLoss(Protocol):
+    """``(student, teacher) -> LossOutput``: a distillation term (``register_distill_losses``). The
+    teacher's tensors carry no gradient; the loss is a mean over anchors (so under a local loss the
+    processes' mean is the full batch's).
+
+    Optional members:
+        compares_features: bool = False — compares student and teacher embeddings one to one (cosine,
+            MSE): the host refuses a teacher whose embedding width differs from the student's.
+    """
+
+    def __call__(self, student: DistillView, teacher: DistillView) -> LossOutput: ...
+
+
 #: Optional plugin members the host reads, with the value a plugin that does not declare one has.
 OPTIONAL_MEMBERS: dict[str, Any] = {
     "requires": frozenset(),  # Loss
     "supports_local_loss": False,  # Loss
     "stateful": False,  # Loss
+    "compares_features": False,  # DistillLoss: needs equal student and teacher embedding widths
     "pairwise": True,  # Similarity
     "uses_random_features": False,  # Similarity
     "half_features": False,  # Similarity: takes bf16/fp16 points, returns fp32 logits

@@ -49,6 +49,12 @@ def draw_caption(captions: Sequence[str], *, seed: int, epoch: int, index: int |
     A uniform draw from its own stream (not the augmentation's), so it depends on nothing else:
     not on the batch, the worker, the rank, the view count or the transform.
     """
-    if len(captions) == 1:
-        return captions[0]
-    return captions[random.Random(f"caption:{seed}:{epoch}:{index}").randrange(len(captions))]
+    return captions[draw_caption_index(len(captions), seed=seed, epoch=epoch, index=index)]
+
+
+def draw_caption_index(count: int, *, seed: int, epoch: int, index: int | str) -> int:
+    """Which of a sample's ``count`` captions :func:`draw_caption` picks (stored teacher text
+    embeddings are read by it)."""
+    if count == 1:
+        return 0
+    return random.Random(f"caption:{seed}:{epoch}:{index}").randrange(count)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from clipkit.data.captions import draw_caption
+from clipkit.data.captions import draw_caption_index
 from clipkit.data.epoch_plan import (
     EpochPlan,
     Faults,
@@ -57,6 +57,7 @@ from clipkit.data.epoch_plan import (
 from clipkit.data.remote import redact
 from clipkit.data.shard import decode_record, read_manifest
 from clipkit.data.tar_stream import Traffic
+from clipkit.data.teacher_shards import DistillInputs, stored_view
 from clipkit.data.transforms import ImageTransform, decode_transformed
 from clipkit.errors import ClipkitError, DataError
 
@@ -173,7 +174,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
         policy=None,
         require_index=False,
         lanes=1,
+        distill=None,
     ):
+        self.distill = distill or DistillInputs()
         self.plan, self.batch_size, self.transform, self.tokenizer = plan, batch_size, transform, tokenizer
         self.seed, self.epoch, self.skip_batches, self.rank = seed, epoch, skip_batches, rank
         self.shuffle_buffer, self.views = shuffle_buffer, views
@@ -251,9 +254,14 @@ class EpochDataset(torch.utils.data.IterableDataset):
         samples = [decode_record(record, "shards") for record in records]
         indices = [self.sample_index(record, sample) for record, sample in zip(records, samples, strict=True)]
         sample_ids = [augment_id(record, sample) for record, sample in zip(records, samples, strict=True)]
+        stored = self.stored_views(records, samples) if self.distill.stored else None
         # One generator per (sample, epoch), not per worker or batch: a sample's crops are the same
-        # whichever worker decodes it and wherever a resumed run restarts.
-        rngs = [random.Random(f"aug:{self.seed}:{self.epoch}:{sample_id}") for sample_id in sample_ids]
+        # whichever worker decodes it and wherever a resumed run restarts. Stored teacher views
+        # replay the seed their embedding was made with (clipkit.data.teacher_shards).
+        seeds = [view.seed for view in stored] if stored else [
+            f"aug:{self.seed}:{self.epoch}:{sample_id}" for sample_id in sample_ids
+        ]  # fmt: skip
+        rngs = [random.Random(seed) for seed in seeds]
         # One decode per sample for all its views; each sample's rng draws view 1, then view 2.
         transforms = [self.transform] * self.views
         views = [
@@ -277,13 +285,24 @@ class EpochDataset(torch.utils.data.IterableDataset):
                     )
             # One caption per sample per epoch: a pure function of (seed, epoch, the sample's id: its
             # global index for clipkit shards), never of the augmentation, worker or rank.
-            batch["text"] = self.tokenizer(
-                [
-                    draw_caption(s.captions, seed=self.seed, epoch=self.epoch, index=sample_id)
-                    for s, sample_id in zip(samples, sample_ids, strict=True)
-                ]  # fmt: skip
-            )
+            drawn = [
+                draw_caption_index(len(s.captions), seed=self.seed, epoch=self.epoch, index=sample_id)
+                for s, sample_id in zip(samples, sample_ids, strict=True)
+            ]
+            captions = [s.captions[i] for s, i in zip(samples, drawn, strict=True)]
+            batch["text"] = self.tokenizer(captions)
+            if self.distill.tokenizer is not None:  # a live teacher with its own vocabulary
+                batch["teacher_tokens"] = self.distill.tokenizer(captions)
+            if stored:
+                batch.update(stored_embeddings(stored, drawn, samples))
         return batch
+
+    def stored_views(self, records: list[dict[str, Any]], samples) -> list:
+        """Each sample's stored teacher view for this epoch (``train.distill.stored``)."""
+        return [
+            stored_view(record, self.epoch, f"sample {s.meta.get('index')} ({s.key})")
+            for record, s in zip(records, samples, strict=True)
+        ]
 
     def sample_index(self, record: dict[str, Any], sample) -> int:
         """The sample's place among the training samples (``__index__`` when the stream numbered
@@ -301,6 +320,31 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 "(or use clipkit shards, whose json carries the index)"
             )
         return index
+
+
+def stored_embeddings(stored: list, drawn: list[int], samples) -> dict[str, torch.Tensor]:
+    """The batch's stored teacher embeddings: ``teacher_image`` [B, d] (this epoch's view) and
+    ``teacher_text`` [B, d] (the caption each sample was drawn)."""
+    import numpy as np
+
+    texts = []
+    for view, caption, sample in zip(stored, drawn, samples, strict=True):
+        if view.texts.shape[0] != len(sample.captions):
+            raise DataError(
+                f"sample {sample.meta.get('index')} ({sample.key}): {view.texts.shape[0]} stored text "
+                f"embeddings for {len(sample.captions)} captions; re-shard with --teacher"
+            )
+        texts.append(view.texts[caption])
+    try:
+        images, texts = np.stack([view.image for view in stored]), np.stack(texts)
+    except ValueError:  # rows of different widths: samples of another teacher mixed in
+        widths = sorted({view.image.shape[0] for view in stored} | {text.shape[0] for text in texts})
+        keys = ", ".join(str(sample.key) for sample in samples[:3])
+        raise DataError(
+            f"stored teacher embeddings of widths {widths} in one batch (samples {keys}, ...): the shards "
+            "were made with different teachers; re-shard with one --teacher"
+        ) from None
+    return {"teacher_image": torch.from_numpy(images), "teacher_text": torch.from_numpy(texts)}
 
 
 def metric_label(position: int, name: str) -> str:
@@ -374,7 +418,9 @@ class BatchStream:
         policy=None,
         require_index=False,
         lanes=None,
+        distill=None,
     ):
+        self.distill = distill  # DistillInputs: stored teacher embeddings / teacher tokens per batch
         # Lanes: the parts of each epoch the loader workers read apart (module docs); they shape
         # the order, so a run keeps the number it started with (saved with its position).
         self.lanes = max(1, int(num_workers)) if lanes is None else max(1, int(lanes))
@@ -542,6 +588,7 @@ class BatchStream:
             policy=self.policy,
             require_index=self.require_index,
             lanes=self.lanes,
+            distill=self.distill,
         )
         self.tell_sharing()
         return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.num_workers)

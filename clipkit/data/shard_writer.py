@@ -18,7 +18,8 @@ is removed; a run killed between these steps is finished by the next one without
 
 Each sample is stored under key = its global index (zero-padded, 9 digits) with fields
 ``<image_ext>`` (the image bytes as given), ``txt`` (the first caption, when there is one) and
-``json`` (``{"index", "key", "captions", "meta"}``).
+``json`` (``{"index", "key", "captions", "meta"}``), plus the extra members of an annotated sample
+(``clipkit shard --teacher``'s embeddings, :mod:`clipkit.data.teacher_shards`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def encode_sample(sample: Sample, index: int) -> dict[str, Any]:
     }
     if sample.captions:
         record["txt"] = sample.captions[0]
+    record.update(getattr(sample, "members", {}))  # AnnotatedSample: e.g. stored teacher embeddings
     return record
 
 

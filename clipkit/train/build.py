@@ -23,12 +23,14 @@ from clipkit.contract.registry import Registry
 from clipkit.data.loader import BatchStream, ReadPolicy, training_split
 from clipkit.data.remote import Patience
 from clipkit.data.shard_writer import check_shards, ensure_shards
+from clipkit.data.teacher_shards import DistillInputs
 from clipkit.data.transforms import ResizedUInt8
 from clipkit.errors import ClipkitError, DataError
 from clipkit.model import ContrastiveModel, batched_input_size, build_model, build_slot, build_transform
 from clipkit.model.init_weights import prepare_model
 from clipkit.model.lora import add_adapters
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
+from clipkit.train.distill import Distillation, build_distillation, teacher_tokenizer
 from clipkit.train.ema import build_ema
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.objective import build_objective
@@ -74,10 +76,15 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     # 4. The data before the loss: data.fit_batch may lower the batch to what the training split
     #    holds (runtime.refit_batch, before prepare: DeepSpeed's configuration carries the split),
     #    and per-sample-state losses size their tables by the stream's sample count.
-    stream = build_stream(recipe, runtime, registry, model)
+    distill = build_distillation(recipe, registry, runtime, model.transform, distill_shards(recipe))
+    stream = build_stream(recipe, runtime, registry, model, distill)
     # 5. The objective: the loss over the model's similarity, checked against the runtime, and
-    #    whether it runs tiled (train.tiled), decided once for the run's contrastive batch.
-    objective = build_objective(recipe, registry, model, runtime, num_samples=stream.num_samples)
+    #    whether it runs tiled (train.tiled), decided once for the run's contrastive batch; with
+    #    train.distill, the frozen teacher's terms beside it (loaded before the data, which may
+    #    need the teacher's tokenizer).
+    objective = build_objective(
+        recipe, registry, model, runtime, num_samples=stream.num_samples, distill=distill
+    )
     # 6. Optimiser and schedule over the model's parameters (before wrapping: names are the model's).
     optimizer = build_slot(
         registry, "optimizer", recipe["optimizer"], "optimizer", list(model.named_parameters())
@@ -119,10 +126,15 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
 
 
 def build_stream(
-    recipe: dict, runtime: Runtime, registry: Registry, model: ContrastiveModel
+    recipe: dict,
+    runtime: Runtime,
+    registry: Registry,
+    model: ContrastiveModel,
+    distill: Distillation | None = None,
 ) -> TrainingStream:
     """This process's batches: a registered stream (``data.stream``) or the recipe's shards (made
-    from ``data.source`` first when missing)."""
+    from ``data.source`` first when missing); with ``distill``, the teacher's inputs or stored
+    embeddings in each batch."""
     data, settings = section(recipe, "data"), section(recipe, "train")
     place = {"seed": int(recipe.get("seed", 0)), "rank": runtime.rank, "world_size": runtime.world_size}
     # auto: from the CPUs this process may use, most of them decoding when a GPU trains
@@ -165,8 +177,22 @@ def build_stream(
         num_samples=data.num_samples,
         policy=ReadPolicy(Patience(timeout=data.timeout, retries=data.retries), data.on_error),
         require_index=loss_needs_sample_count(recipe, registry),
+        distill=distill_inputs(distill),
         **place,
     )
+
+
+def distill_shards(recipe: dict) -> str | None:
+    """The shard directory a stored teacher's manifest is read from (None: not a local set)."""
+    data = section(recipe, "data")
+    return None if data.stream is not None or is_streamed_data(data) else shard_target(data)
+
+
+def distill_inputs(distill: Distillation | None) -> DistillInputs | None:
+    """What the loader adds to each batch for ``train.distill`` (None: nothing)."""
+    if distill is None:
+        return None
+    return DistillInputs(stored=distill.teacher is None, tokenizer=teacher_tokenizer(distill))
 
 
 def is_streamed_data(data) -> bool:

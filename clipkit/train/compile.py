@@ -69,6 +69,8 @@ def scoring_refusal(objective: Any) -> str | None:
     similarity, loss = objective.similarity, objective.loss
     if objective.tile_size is not None:
         return "the loss runs tiled (train.tiled): the tile engine's loops and autograd stay eager"
+    if getattr(objective, "distill", None) is not None:
+        return "train.distill adds the teacher's terms to the logits outside the compiled function"
     for kind, plugin in (("similarity", similarity), ("loss", loss)):
         if not optional_member(plugin, "compiles"):
             return f"the {kind} {type(plugin).__name__} does not declare `compiles`"

@@ -27,6 +27,7 @@ from torch import nn
 from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.settings import Decision, Tiling, decide
 from clipkit.train.bounds import Bound, bounded_parameters
+from clipkit.train.distill import Distillation
 from clipkit.train.runtime import Runtime
 
 
@@ -51,6 +52,7 @@ class Objective:
     feature_dtype: torch.dtype = torch.float32  # train.similarity_precision: half -> the towers' dtype
     # train.compile_scope: step: score() compiled (clipkit.train.compile.compile_scoring); None: eager
     compiled_scoring: Callable[..., LossOutput] | None = None
+    distill: Distillation | None = None  # train.distill: the teacher's terms (clipkit.train.distill)
 
     @property
     def requires(self) -> frozenset:
@@ -89,7 +91,13 @@ class Objective:
             return rt.generator(step)  # a fresh, identically seeded generator per similarity call
 
         local = rt.local_loss
-        return self.score(local_a, local_b, a, b, gathered, targets, local, step, epoch, generator_for)
+        if self.distill is None:
+            return self.score(local_a, local_b, a, b, gathered, targets, local, step, epoch, generator_for)
+        # train.distill: the teacher's terms beside the contrastive loss (eager; never compiled)
+        logits, ctx = self.logits(local_a, local_b, a, b, gathered, local, step, epoch, generator_for)
+        out = self.loss(logits, targets, ctx)
+        student_a, student_b = (local_a, local_b) if local else (a, b)
+        return self.distill.add(out, logits, student_a.float(), student_b.float(), batch, rt, local=local)
 
     def score(
         self,
@@ -109,14 +117,30 @@ class Objective:
         ``train.compile_scope: step`` compiles. ``local``: this process's anchors against all
         candidates (``targets`` [n] their columns), else the whole batch (``targets`` [N]);
         ``gathered``: the global batch's declared index/meta."""
+        logits, ctx = self.logits(local_a, local_b, a, b, gathered, local, step, epoch, generator_for)
+        return self.loss(logits, targets, ctx)
+
+    def logits(
+        self,
+        local_a: PointSet,
+        local_b: PointSet,
+        a: PointSet,
+        b: PointSet,
+        gathered: dict,
+        local: bool,
+        step: int,
+        epoch: float,
+        generator_for: Callable[[], torch.Generator | None],
+    ) -> tuple[Logits, LossContext]:
+        """The fp32 logits the loss reads (i2t, t2i: [n, N] this process's rows where ``local``, else
+        [N, N]) and the loss's context (arguments as :meth:`score`)."""
         similarity = self.similarity
         if local:
             image_rows = similarity(local_a, b, generator=generator_for()).i2t  # [n, N]
             text_rows = similarity(a, local_b, generator=generator_for()).t2i  # [n, N]
-            logits = in_fp32(Logits(i2t=image_rows, t2i=text_rows))
-            return self.loss(logits, targets, self.context({}, a, b, step, epoch))
+            return in_fp32(Logits(i2t=image_rows, t2i=text_rows)), self.context({}, a, b, step, epoch)
         logits = in_fp32(similarity(a, b, generator=generator_for()))  # the loss reduces in fp32
-        return self.loss(logits, targets, self.context(gathered, a, b, step, epoch))
+        return logits, self.context(gathered, a, b, step, epoch)
 
     def tiled(
         self, local_a: PointSet, local_b: PointSet, a: PointSet, b: PointSet, ctx: LossContext, step: int
@@ -212,12 +236,14 @@ def build_objective(
     *,
     num_samples: int = 0,
     total_steps: int | None = None,
+    distill: Distillation | None = None,
 ) -> Objective:
     """The recipe's loss over ``model.similarity`` — built, placed on the runtime's device, checked
     against the runtime (accumulation, local loss) and with the tiling decided.
 
     ``runtime``: the run's (default: one process, this recipe's batch and precision).
     ``num_samples``: samples per epoch (losses with per-sample state size their tables by it).
+    ``distill``: the teacher's terms (``train.distill``; :func:`clipkit.train.distill.build_distillation`).
     """
     from clipkit.config.recipe import section
     from clipkit.model import build_slot
@@ -248,7 +274,14 @@ def build_objective(
         names = ", ".join(bound.name for bound in bounds)
         print(f"note: {names}: {runtime.parameter_clamp_refusal}", file=sys.stderr)
     dtype = feature_dtype(settings.similarity_precision, runtime.precision, model.similarity)
-    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype)
+    if distill is not None and decision.tile_size is not None:
+        from clipkit.errors import ClipkitError
+
+        raise ClipkitError(
+            f"train.distill: the batch of {runtime.plan.global_size} would run tiled (train.tiled), but the "
+            "distillation losses need the full logits; set train.tiled=false"
+        )
+    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype, distill)
 
 
 def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime) -> None:

@@ -23,3 +23,12 @@ def register_losses(register):
     register("align_uniform", yaware.AlignUniform)  # §5
     register("sogclr", nuclr.SogCLRLoss)  # §6
     register("nuclr", nuclr.NUCLRLoss)  # §6
+
+
+@hookimpl
+def register_distill_losses(register):
+    from clipkit.plugins.losses import distill
+
+    register("kl", distill.KLDistillation)  # open_clip's DistillClipLoss term (docs/distillation.md)
+    register("feature_cosine", distill.FeatureCosine)
+    register("feature_mse", distill.FeatureMSE)

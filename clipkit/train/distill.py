@@ -1,0 +1,191 @@
+"""Distillation in the training step (``train.distill``; docs/distillation.md).
+
+The objective's loss becomes ``contrastive + Σ_k weight_k · distill_k(student, teacher)``, each
+``distill_k`` a registered distillation loss (``register_distill_losses``) over the student's and the
+teacher's :class:`~clipkit.contract.types.DistillView` of the same anchors. The teacher's embeddings
+of this process's batch come from
+
+* a live teacher (``train.distill.teacher``): a frozen :class:`~clipkit.model.teacher.Teacher` run
+  under ``no_grad`` inside the step, on the same (augmented) batch the student sees. It is a plain
+  attribute, not a sub-module of the wrapped step: DDP and DeepSpeed never see its parameters, and
+  every process holds it whole (ZeRO-3 and FSDP2 are refused for it at validation);
+* stored embeddings (``train.distill.stored``): ``batch["teacher_image"]`` / ``batch["teacher_text"]``
+  [B, d], which the loader reads from shards ``clipkit shard --teacher`` wrote (the teacher is never
+  loaded; its logit scale and bias come from the shards' manifest).
+
+Either way they are gathered like the student's features (without gradient), and the teacher's
+logits are ``scale · image @ text.T + bias`` over the same rows and columns as the student's.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from clipkit.config.recipe import distill_config, section
+from clipkit.contract.types import DistillLoss, DistillView, Logits, LossOutput, PointSet, optional_member
+from clipkit.data.teacher_shards import stored_teacher
+from clipkit.errors import ClipkitError
+from clipkit.model import build_slot
+from clipkit.model.teacher import Teacher, teacher_logits
+from clipkit.train.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class WeightedLoss:
+    """One entry of ``train.distill.losses``: its name, weight and built loss."""
+
+    name: str
+    weight: float
+    loss: DistillLoss
+
+
+@dataclass
+class Distillation:
+    """The teacher's terms of the objective.
+
+    losses:      the weighted distillation losses, in recipe order.
+    scale, bias: the teacher's logit scale and bias.
+    teacher:     the live teacher, or None when the embeddings are stored in the batch.
+    student_transform: the student's preprocessing (a live teacher's input is derived from it).
+    shares_tokens: the student's token ids are the teacher's (else ``batch["teacher_tokens"]``).
+    """
+
+    losses: tuple[WeightedLoss, ...]
+    scale: float
+    bias: float
+    teacher: Teacher | None = None
+    student_transform: Any = None
+    shares_tokens: bool = True
+
+    def local_embeddings(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """This process's teacher embeddings (image [n, d], text [n, d]), fp32, without gradient."""
+        if self.teacher is None:
+            return batch["teacher_image"].float(), batch["teacher_text"].float()
+        images = self.teacher.images_from(batch["image"], self.student_transform)
+        if not self.shares_tokens and "teacher_tokens" not in batch:
+            raise ClipkitError(
+                f"train.distill.teacher: {self.teacher.where} tokenizes differently from the student, and "
+                "this batch carries no teacher_tokens (shards give them; a data.stream does not): use a "
+                "teacher with the student's model.tokenizer, or stored embeddings"
+            )
+        tokens = batch["text"] if self.shares_tokens else batch["teacher_tokens"]
+        return self.teacher.embed(images, tokens)
+
+    def add(
+        self,
+        out: LossOutput,
+        student_logits: Logits,
+        student_image: PointSet,
+        student_text: PointSet,
+        batch: dict,
+        runtime: Runtime,
+        *,
+        local: bool,
+    ) -> LossOutput:
+        """``out`` (the contrastive loss) plus the weighted distillation terms, with their metrics.
+
+        student_logits: the logits the contrastive loss scored — over the global batch, or this
+        process's anchors against the global candidates when ``local``; student_image / student_text:
+        the anchors' point sets (global [N, 1, d], or local [n, 1, d] when ``local``).
+        """
+        image, text = self.local_embeddings(batch)
+        all_image, all_text = runtime.gather_rows(image), runtime.gather_rows(text)  # [N, d]
+        rows_image, rows_text = (image, text) if local else (all_image, all_text)
+        teacher = DistillView(
+            Logits(
+                i2t=teacher_logits(rows_image, all_text, self.scale, self.bias),
+                t2i=teacher_logits(rows_text, all_image, self.scale, self.bias),
+            ),
+            rows_image,
+            rows_text,
+        )
+        student = DistillView(student_logits, vector(student_image), vector(student_text))
+        total, metrics = out.loss, {**out.metrics, "contrastive": out.loss.detach()}
+        for entry in self.losses:
+            term = entry.loss(student, teacher)
+            total = total + entry.weight * term.loss
+            metrics[f"distill/{entry.name}"] = term.loss.detach()
+            metrics.update({f"distill/{entry.name}/{key}": value for key, value in term.metrics.items()})
+        return LossOutput(total, metrics)
+
+
+def vector(points: PointSet) -> Tensor:
+    """A student's one-point-per-input PointSet [N, 1, d] -> [N, d]."""
+    if points.num_points != 1:
+        raise ClipkitError(
+            f"train.distill: the student gives {points.num_points} points per input; distillation compares "
+            "one vector per input (M = 1)"
+        )
+    return points.points[:, 0]
+
+
+def build_distillation(
+    recipe: dict, registry, runtime: Runtime, student_transform, shards: str | None
+) -> Distillation | None:
+    """The recipe's :class:`Distillation` (None without ``train.distill``): the losses built and
+    checked against the teacher's width, and the live teacher loaded (or the stored one's manifest
+    read from ``shards``)."""
+    config = distill_config(recipe)
+    if config is None:
+        return None
+    names = [entry["name"] for entry in config.losses]
+    losses = tuple(
+        WeightedLoss(
+            name if names.count(name) == 1 else f"{name}.{i}",  # two entries of one loss log apart
+            float(entry.get("weight", 1.0)),
+            build_slot(registry, "distill_loss", without_weight(entry), f"train.distill.losses.{i}"),
+        )
+        for i, (name, entry) in enumerate(zip(names, config.losses, strict=True))
+    )
+    student_dim = section(recipe, "model").embed_dim
+    if config.stored:
+        if shards is None:
+            raise ClipkitError("train.distill.stored: stored embeddings are read from shards (data.shards)")
+        stored = stored_teacher(shards, section(recipe, "data"))
+        check_widths(losses, stored.dim, student_dim, f"{shards} (stored teacher)")
+        return Distillation(losses, stored.scale, stored.bias)
+    if not Path(config.teacher).exists():
+        raise ClipkitError(
+            f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
+            "Hugging Face CLIP directory)"
+        )
+    teacher = Teacher.load(config.teacher, registry, runtime.device)
+    check_widths(losses, teacher.dim, student_dim, config.teacher)
+    shares = teacher.shares_tokens(section(recipe, "model").tokenizer)
+    if runtime.is_main:
+        how = "the student's token ids" if shares else "its own tokenizer"
+        print(
+            f"distill: teacher {config.teacher} (width {teacher.dim}, scale {teacher.scale:.4g}; "
+            f"{how}), frozen, run in every step",
+            file=sys.stderr,
+        )
+    return Distillation(losses, teacher.scale, teacher.bias, teacher, student_transform, shares)
+
+
+def without_weight(entry: dict) -> dict:
+    """A ``train.distill.losses`` entry as its factory's slot (the host keeps ``weight``)."""
+    return {key: value for key, value in entry.items() if key != "weight"}
+
+
+def check_widths(losses: tuple[WeightedLoss, ...], teacher_dim: int, student_dim: int, where: str) -> None:
+    """Feature losses compare embeddings one to one: refuse a teacher of another width."""
+    comparing = [entry.name for entry in losses if optional_member(entry.loss, "compares_features")]
+    if comparing and teacher_dim != student_dim:
+        raise ClipkitError(
+            f"train.distill.losses: {', '.join(comparing)} compare(s) embeddings one to one, but the "
+            f"teacher {where} has width {teacher_dim} and the student model.embed_dim {student_dim}; "
+            "use the kl loss (similarity distributions need no projection) or a student of the "
+            "teacher's width"
+        )
+
+
+def teacher_tokenizer(distillation: Distillation | None):
+    """The tokenizer the loader must run for the teacher (None when it shares the student's ids)."""
+    if distillation is None or distillation.teacher is None or distillation.shares_tokens:
+        return None
+    return distillation.teacher.tokenizer
