@@ -281,7 +281,7 @@ def build_objective(
             f"train.distill: the batch of {runtime.plan.global_size} would run tiled (train.tiled), but the "
             "distillation losses need the full logits; set train.tiled=false"
         )
-    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype, distill)
+    return Objective(loss, model.similarity, runtime, decision.tile_size, bounds, dtype, distill=distill)
 
 
 def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime) -> None:
