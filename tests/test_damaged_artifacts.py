@@ -226,7 +226,8 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
             EXPORT / "clipkit.json", lambda m: m["plugins"]["model.tokenizer"].update(kind="tokenzier")
         ),
         EVAL,
-        "plugins.model.tokenizer names an unknown plugin kind 'tokenzier' (known kinds: distill_loss, encoder,",
+        "plugins.model.tokenizer names an unknown plugin kind 'tokenzier' "
+        "(known kinds: distill_loss, encoder,",
     ),
     (
         "metadata-files-entry-outside",

@@ -1,8 +1,9 @@
-"""Distillation (issue 39 item 2) under two processes on CPU: one ``accelerate launch`` of DeepSpeed
-ZeRO-2 with a live teacher and a local loss (each process scores its own anchors against the gathered
-candidates, the teacher's logits over the same rows and columns). DDP runs the same objective inside
-the same step module (tests/test_distill.py covers the terms in one process); ZeRO-3 / FSDP2 with a
-live teacher are refused at validation (tests/test_distill.py::test_recipe_checks_name_the_key)."""
+"""Distillation (issue 39 item 2) under two processes on CPU with a live teacher: DDP with the global
+loss (every process scores the gathered batch, the teacher's logits over it), and DeepSpeed ZeRO-2 with
+a local loss (each process scores its own anchors against the gathered candidates, the teacher's
+logits over the same rows and columns); tests/test_distill.py covers the terms in one process.
+ZeRO-3 / FSDP2 with a live teacher are refused at validation
+(tests/test_distill.py::test_recipe_checks_name_the_key)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ from clipkit.model import build_model
 pytestmark = pytest.mark.slow
 
 
-def test_launched_zero2_with_a_live_teacher_and_local_loss(tmp_path):
-    pytest.importorskip("deepspeed")
+STRATEGIES = {
+    "ddp": [],
+    "zero2-local": ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2",
+                    "train.distributed.local_loss=true"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_launched_with_a_live_teacher(tmp_path, strategy):
+    if strategy.startswith("zero"):
+        pytest.importorskip("deepspeed")
     from clipkit.app import api
 
     api.shard("synthetic://shapes?n=512&split=train&image_size=48", tmp_path / "data" / "smoke-shapes")
@@ -31,8 +41,7 @@ def test_launched_zero2_with_a_live_teacher_and_local_loss(tmp_path):
     torch.manual_seed(5)
     write_export(build_model(recipe, registry), recipe, tmp_path / "teacher", registry)
     run = tmp_path / "run"
-    overrides = [*COMMON, "train.distributed.strategy=deepspeed", "train.distributed.zero_stage=2",
-                 "train.distributed.local_loss=true", "train.export=false",
+    overrides = [*COMMON, *STRATEGIES[strategy], "train.export=false",
                  f"train.distill.teacher={tmp_path / 'teacher'}"]  # fmt: skip
     accelerate_launch("train", *overrides, "--run-dir", str(run), cwd=tmp_path)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
