@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,6 +363,13 @@ class Runtime:
         self._strategy.close()  # FSDP2's own one-process group, if it started one
         if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.accelerator.wait_for_everyone()
+            # Let gloo's worker threads finish releasing their last collectives before anything can
+            # destroy the group: a group destroyed (with the GIL held) while one of its threads still
+            # frees a finished all-reduce's tensors (which needs the GIL) deadlocks the process at
+            # exit (seen once at the end of a two-process DDP run: the thread waits for the GIL, the
+            # main thread joins it). The sleep releases the GIL; the barrier alone does not cover the
+            # group's second worker thread.
+            time.sleep(0.2)
             torch.distributed.destroy_process_group()
 
 

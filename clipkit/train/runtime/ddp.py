@@ -35,7 +35,9 @@ class DDPStrategy:
         self.scaler = torch.amp.GradScaler(accelerator.device.type) if precision == "fp16" else None
 
     def prepare(self, model, optimizer):
-        return self.accelerator.prepare(model, optimizer)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        self._wrapped = model  # close() releases its reducer
+        return model, optimizer
 
     def unwrap(self, model):
         """The plain module inside DDP. DDP's own wrapper is stripped here: Accelerate's
@@ -139,7 +141,18 @@ class DDPStrategy:
         return plain if is_main else None
 
     def close(self) -> None:
-        """Nothing of its own to release (Accelerate owns the process group)."""
+        """Release DDP's reducer while the process group is still registered (Accelerate owns the
+        group). The reducer holds the group; freed last, its C++ destructor would destroy the group
+        with the GIL held and join gloo's worker threads, one of which may need the GIL to free a
+        finished all-reduce's tensors: a deadlock at exit (torch issue 56297; seen once at the end
+        of a two-process run). Destroyed through ``destroy_process_group`` instead, the group is
+        released without the GIL."""
+        wrapped = getattr(self, "_wrapped", None)
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            for attribute in ("logger", "reducer"):
+                if hasattr(wrapped, attribute):
+                    delattr(wrapped, attribute)
+        self._wrapped = None
 
 
 def load_full_state(model, optimizer, state: dict, checkpoint: Path) -> None:
