@@ -82,3 +82,36 @@ def test_contract():
     check_similarity(DotSimilarity())
     with pytest.raises(ValueError, match="init_scale"):
         DotSimilarity(init_scale=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_products_match_float64_forward_and_backward(dtype):
+    """Half rows: the products are exact fp32 sums of exact products (tiny accumulation error),
+    the result is fp32, and the backward (HalfProducts's own: torch has no derivative for CUDA's
+    ``mm(out_dtype=)``) gives dx = g y, dy = gᵀ x in the rows' dtype, off by the rounding of g and
+    of the result to that dtype (8 or 11 bits)."""
+    from clipkit.plugins.similarities.dot import products
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 24, generator=gen).to(dtype).requires_grad_()
+    y = torch.randn(29, 24, generator=gen).to(dtype).requires_grad_()
+    weights = torch.randn(37, 29, generator=gen, dtype=torch.float64)
+    out = products(x, y)
+    assert out.dtype == torch.float32
+    x64, y64 = x.detach().double(), y.detach().double()
+    torch.testing.assert_close(out.double(), x64 @ y64.t(), rtol=1e-6, atol=1e-5)
+    (out.double() * weights).sum().backward()
+    assert x.grad.dtype == dtype and y.grad.dtype == dtype
+    bits = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    for grad, reference in ((x.grad, weights @ y64), (y.grad, weights.t() @ x64)):
+        error = (grad.double() - reference).abs().max() / reference.abs().max()
+        assert 0 < error <= 2 * bits, error
+
+
+def test_half_products_give_only_the_gradients_asked_for():
+    from clipkit.plugins.similarities.dot import products
+
+    x = torch.randn(5, 8).bfloat16().requires_grad_()
+    y = torch.randn(6, 8).bfloat16()
+    products(x, y).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and y.grad is None

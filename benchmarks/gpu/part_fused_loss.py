@@ -33,6 +33,7 @@ TRITON_INTERPRET=1 with triton installed, ``infcl`` never (it needs CUDA): both 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ from clipkit.tiled.contract import tiled_global_loss
 
 SIZES = pick([65536, 262144, 1048576], [32, 48])
 DIMS = pick([128, 512, 768], [16])
-ROUNDS = pick(3, 1)
+ROUNDS = int(os.environ.get("CLIPKIT_GPU_FUSED_ROUNDS", 0)) or pick(3, 1)  # interleaved timed rounds a point
 TILE = pick(8192, 32)
 SLACK = 1.5
 GOAL_SECONDS, GOAL_PEAK_PERCENT, GOAL_INFCL_RATIO = 3.0, 50.0, 1.2
@@ -170,18 +171,26 @@ class Part:
         return True
 
     def runners(self, point: Point, label: str) -> dict:
+        """The implementations to time at ``point``: each affordable one, of those
+        CLIPKIT_GPU_FUSED_IMPLS names (comma-separated; default all)."""
+        chosen = os.environ.get("CLIPKIT_GPU_FUSED_IMPLS", "fused,tiled,full,infcl").split(",")
         runs = {}
-        if "fused:" not in " ".join(self.skipped) and self.affordable("fused", point.n, label):
+        if (
+            "fused" in chosen
+            and "fused:" not in " ".join(self.skipped)
+            and self.affordable("fused", point.n, label)
+        ):
             runs["fused"] = point.tiled(True)
-        if self.affordable("tiled", point.n, label):
+        if "tiled" in chosen and self.affordable("tiled", point.n, label):
             runs["tiled"] = point.tiled(False)
-        fits = point.n**2 * 18 < (torch.cuda.mem_get_info()[0] if self.dev.type == "cuda" else 2**31)
-        if not fits:
+        free = torch.cuda.mem_get_info()[0] if self.dev.type == "cuda" else 2**31
+        if "full" in chosen and point.n**2 * 18 >= free:
             self.skip(f"{label} full: N×N logits do not fit")
-        elif self.affordable("full", point.n, label):
+        elif "full" in chosen and self.affordable("full", point.n, label):
             runs["full"] = point.full
         if (
-            point.loss_name == "infonce"
+            "infcl" in chosen
+            and point.loss_name == "infonce"
             and self.cal_inf_loss is not None
             and self.affordable("infcl", point.n, label)
         ):
@@ -256,22 +265,37 @@ class Part:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=pick(240.0, 40.0))
+    # run.sh's limit for the part, less a margin to write the results, caps the default budget.
+    limit = float(os.environ.get("CLIPKIT_GPU_PART_LIMIT_S", "inf")) - 20.0
+    parser.add_argument("--budget-s", type=float, default=min(pick(240.0, 40.0), limit))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = device()
     part = Part(args, dev)
     if rehearsal():
         torch.manual_seed(0)
-    for n in SIZES:
-        for d in DIMS:
-            for loss_name in ("infonce", "siglip"):
-                if part.left() < 5:
-                    part.skip(f"{loss_name} N={n} d={d}: budget spent")
-                    continue
-                part.measure(loss_name, n, d)
-                part.save()  # after every point: a timeout keeps what was measured
+    for loss_name, n, d in chosen_points():
+        if part.left() < 5:
+            part.skip(f"{loss_name} N={n} d={d}: budget spent")
+            continue
+        part.measure(loss_name, n, d)
+        part.save()  # after every point: a timeout keeps what was measured
     part.save()
+
+
+def chosen_points() -> list[tuple[str, int, int]]:
+    """(loss, N, d) in the order measured: every SIZES × DIMS × loss, or the points named in
+    CLIPKIT_GPU_FUSED_POINTS ("infonce:1048576:128,siglip:65536:512"), for a second, shorter try."""
+    named = os.environ.get("CLIPKIT_GPU_FUSED_POINTS", "").strip()
+    if not named:
+        return [(loss, n, d) for n in SIZES for d in DIMS for loss in ("infonce", "siglip")]
+    points = []
+    for item in named.split(","):
+        loss, n, d = item.strip().split(":")
+        if loss not in ("infonce", "siglip"):
+            raise SystemExit(f"CLIPKIT_GPU_FUSED_POINTS: unknown loss {loss!r} in {item!r} (infonce, siglip)")
+        points.append((loss, int(n), int(d)))
+    return points
 
 
 if __name__ == "__main__":

@@ -89,10 +89,39 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
 
 def products(x: Tensor, y: Tensor) -> Tensor:
     """[Na, d] @ [Nb, d]ᵀ -> [Na, Nb]. Half-precision rows are multiplied with fp32 accumulation
-    and an fp32 result: on CUDA one bf16/fp16 tensor-core GEMM writing fp32 (``out_dtype``), on
-    the CPU the same products computed from the rows upcast (exact: half values are fp32 values)."""
+    and an fp32 result (:class:`HalfProducts`); other dtypes are a plain product."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return x @ y.t()
-    if x.is_cuda:
-        return torch.mm(x, y.t(), out_dtype=torch.float32)
-    return x.float() @ y.float().t()
+    return HalfProducts.apply(x, y)
+
+
+def half_gemm(a: Tensor, b: Tensor) -> Tensor:
+    """[m, k] @ [k, n] of half tensors -> fp32 [m, n], accumulated in fp32: on CUDA one bf16/fp16
+    tensor-core GEMM writing fp32 (``out_dtype``); on the CPU the same products from the operands
+    upcast (exact: half values are fp32 values)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class HalfProducts(torch.autograd.Function):
+    """x [Na, d] @ y [Nb, d]ᵀ for bf16/fp16 rows, fp32 out, with its own backward.
+
+    Why a Function: torch (2.11 on CUDA, seen on an H200) has no derivative for ``mm`` with
+    ``out_dtype``. The backward is what autocast would do for a half GEMM: the fp32 gradient of the
+    products is rounded to the rows' dtype once, and each gradient is one half GEMM accumulated in
+    fp32, returned in the rows' dtype:  dx = g y,  dy = gᵀ x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor) -> Tensor:
+        ctx.save_for_backward(x, y)
+        return half_gemm(x, y.t())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, y = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        grad_x = half_gemm(grad, y).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_y = half_gemm(grad.t(), x).to(y.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_y

@@ -39,9 +39,10 @@ PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def train_losses(
-    spec: str, precision: str, data: list[str], run_dir: Path, registry
+    spec: str, precision: str, data: list[str], run_dir: Path, registry, extra: tuple[str, ...] = ()
 ) -> tuple[list[float], dict]:
-    """Train ``spec`` in this process; (every step's loss, the last step's metrics)."""
+    """Train ``spec`` in this process (``extra`` overrides last); (every step's loss, the last
+    step's metrics)."""
     from clipkit.app import api
 
     overrides = [
@@ -53,6 +54,7 @@ def train_losses(
         f"train.checkpoint_every={STEPS}",
         "train.keep_checkpoints=1",
         "train.export=false",
+        *extra,
     ]
     started = time.perf_counter()
     api.train(spec, overrides, run_dir=run_dir, registry=registry)
@@ -125,3 +127,39 @@ def test_tiny_recipe_trains_with_finite_losses_in_a_band_around_fp32(spec, preci
     print(f"{spec} {precision} window means: {window_means(losses)}, fp32: {window_means(reference)}")
     outside = outside_band(losses, reference)
     assert not outside, f"{spec} {precision} leaves the fp32 band: {outside}"
+
+
+#: The 2026 ingredients under bf16 towers on CUDA (issue 43 item 4): weight EMA and LoRA adapters.
+INGREDIENTS = {
+    "ema": ("train.ema.decay=0.95", "train.ema.every=2"),
+    "lora": ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.0"),
+}
+
+
+@pytest.mark.parametrize("ingredient", list(INGREDIENTS))
+def test_ema_and_lora_train_in_bf16_with_finite_losses(
+    ingredient, curves, shapes_overrides, gpu_registry, tmp_path
+):
+    """clip@tiny in bf16 with EMA, or with LoRA adapters: every loss finite; EMA's loss curve is
+    the plain run's (the average never enters the step) and in the fp32 band, its average is fp32,
+    finite and not the live weights; LoRA: the
+    checkpoint holds trained (non-zero) lora_B weights, and its loss falls (window means, first vs last)."""
+    from clipkit.train.checkpoint import list_checkpoints, load_checkpoint
+
+    losses, _ = train_losses(
+        "clip@tiny", "bf16", shapes_overrides, tmp_path / ingredient, gpu_registry, INGREDIENTS[ingredient]
+    )
+    assert_finite(losses, STEPS)
+    state = load_checkpoint(list_checkpoints(tmp_path / ingredient)[-1])
+    if ingredient == "ema":
+        outside = outside_band(losses, curves("clip@tiny", "fp32")[0])
+        assert not outside, f"clip@tiny bf16 + EMA leaves the fp32 band: {outside}"
+        weights = state["ema"]["weights"]
+        assert state["ema"]["applied_steps"] == STEPS
+        assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
+        assert any(not torch.equal(weights[k].float(), state["model"][k].float()) for k in weights)
+        return
+    means = window_means(losses)
+    assert means[-1] < means[0], f"LoRA in bf16 did not learn: window means {means}"
+    adapters = [k for k in state["model"] if "lora_" in k]
+    assert adapters and any("lora_B" in k and state["model"][k].abs().sum() > 0 for k in adapters)
