@@ -80,6 +80,18 @@ def test_decay_zero_tracks_the_live_weights_and_half_precision_weights_average_i
     assert torch.equal(ema.average["0.weight"], model[0].weight.float())
 
 
+def test_the_average_follows_the_weights_to_the_device_the_model_moves_to():
+    """The trainer builds the EMA before runtime.prepare moves the model (on a GPU run: CPU ->
+    CUDA, which failed on an H200 with a device mismatch); the average must follow its weights.
+    'meta' stands in for the other device here."""
+    model = tiny_model()
+    ema = WeightEMA(model, EmaConfig(decay=0.5))
+    model.to("meta")
+    ema.after_optimizer_step()
+    assert all(tensor.device.type == "meta" for tensor in ema.average.values())
+    assert all(tensor.dtype == torch.float32 for tensor in ema.average.values())
+
+
 def test_state_round_trip_is_bit_identical_and_damage_is_named():
     model = tiny_model()
     ema = WeightEMA(model, EmaConfig(decay=0.7, warmup=2))

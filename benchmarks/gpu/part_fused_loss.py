@@ -144,7 +144,8 @@ class Part:
         self.peak = read_ceilings(args.out).get("bf16_tflops")
         self.figures: list[dict] = []
         self.skipped: list[str] = []
-        self.last_ms: dict[str, tuple[int, float]] = {}  # implementation -> (N, ms) of its last run
+        # implementation -> (N, d, ms) of its last run
+        self.last_ms: dict[str, tuple[int, int, float]] = {}
         self.cal_inf_loss, reason = _infcl() if dev.type == "cuda" else (None, "inf-cl needs CUDA")
         if reason:
             self.skipped.append(reason)
@@ -160,11 +161,14 @@ class Part:
         print(f"  skipped: {reason}", flush=True)
         self.skipped.append(reason)
 
-    def affordable(self, name: str, n: int, label: str) -> bool:
+    def affordable(self, name: str, n: int, d: int, label: str) -> bool:
+        """Whether ``name``'s estimated time at (n, d) fits what is left: its last run's time
+        scaled by the work, N²·d (the H200 run of 2026-11-27 skipped N = 1M, d = 128 on an
+        estimate scaled from d = 512 by N² alone)."""
         if name not in self.last_ms:
             return self.left() > 5
-        last_n, last_ms = self.last_ms[name]
-        estimate = last_ms / 1e3 * (n / last_n) ** 2 * (ROUNDS + 2)
+        last_n, last_d, last_ms = self.last_ms[name]
+        estimate = last_ms / 1e3 * (n / last_n) ** 2 * (d / last_d) * (ROUNDS + 2)
         if estimate * SLACK > self.left():
             self.skip(f"{label} {name}: not run, estimated {estimate:.1f} s > {self.left():.1f} s left")
             return False
@@ -178,21 +182,21 @@ class Part:
         if (
             "fused" in chosen
             and "fused:" not in " ".join(self.skipped)
-            and self.affordable("fused", point.n, label)
+            and self.affordable("fused", point.n, point.d, label)
         ):
             runs["fused"] = point.tiled(True)
-        if "tiled" in chosen and self.affordable("tiled", point.n, label):
+        if "tiled" in chosen and self.affordable("tiled", point.n, point.d, label):
             runs["tiled"] = point.tiled(False)
         free = torch.cuda.mem_get_info()[0] if self.dev.type == "cuda" else 2**31
         if "full" in chosen and point.n**2 * 18 >= free:
             self.skip(f"{label} full: N×N logits do not fit")
-        elif "full" in chosen and self.affordable("full", point.n, label):
+        elif "full" in chosen and self.affordable("full", point.n, point.d, label):
             runs["full"] = point.full
         if (
             "infcl" in chosen
             and point.loss_name == "infonce"
             and self.cal_inf_loss is not None
-            and self.affordable("infcl", point.n, label)
+            and self.affordable("infcl", point.n, point.d, label)
         ):
             runs["infcl"] = point.infcl(self.cal_inf_loss)
         return runs
@@ -205,7 +209,7 @@ class Part:
             try:
                 began = time.perf_counter()
                 memory[name] = peak_memory(run)
-                self.last_ms[name] = (n, (time.perf_counter() - began) * 1e3)
+                self.last_ms[name] = (n, d, (time.perf_counter() - began) * 1e3)
                 runs[name] = run
             except Exception as error:
                 text = "out of memory" if is_oom(error) else f"{type(error).__name__}: {str(error)[:160]}"
@@ -217,7 +221,7 @@ class Part:
         work = 8.0 * n * n * d
         for name, values in times.items():
             ms = median(values)
-            self.last_ms[name] = (n, ms)
+            self.last_ms[name] = (n, d, ms)
             tflops = work / (ms / 1e3) / 1e12
             print(f"  {label} {name}: {ms:.2f} ms, {tflops:.2f} TFLOP/s", flush=True)
             self.figures.append(self._time_figure(loss_name, n, d, name, ms, runs, times))

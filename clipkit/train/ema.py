@@ -41,9 +41,11 @@ class WeightEMA:
 
     def __init__(self, model: torch.nn.Module, config: EmaConfig) -> None:
         self.config = config
-        # References to the live parameters: DDP and ZeRO-1/2 update them in place (.data).
-        self.parameters = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        self.average = {name: p.detach().float().clone() for name, p in self.parameters.items()}
+        # The model, not its parameters: moving it to another device may replace them (CPU -> meta
+        # does; CPU -> CUDA sets .data), so each update reads them by name. DDP and ZeRO-1/2
+        # update the module's own parameters in place.
+        self.model = model
+        self.average = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
         self.applied_steps = 0  # optimiser steps applied so far (the t of the decay)
         self.updates = 0  # averages taken so far
 
@@ -64,9 +66,16 @@ class WeightEMA:
         if self.applied_steps % self.config.every:
             return
         decay = self.decay_at(self.applied_steps)
-        for name, live in self.parameters.items():
+        for name, live in self.model.named_parameters():
+            if name not in self.average:
+                continue
+            average = self.average[name]
+            if average.device != live.device:
+                # The EMA is built before runtime.prepare moves the model to its device (seen on
+                # CUDA): the average follows its weight there once, at the first update.
+                average = self.average[name] = average.to(live.device)
             # lerp: ema + (1 - d)·(w - ema) = d·ema + (1 - d)·w, one fused op per tensor
-            self.average[name].lerp_(live.detach().float(), 1.0 - decay)
+            average.lerp_(live.detach().float(), 1.0 - decay)
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
