@@ -20,7 +20,8 @@
 # Not in the default list (name it): kme_tiles, the Triton KME kernels' forward and backward
 # timed apart over tile shapes and warp counts ($BUDGET_KME_TILES); fused_loss, InfoNCE and SigLIP
 # fwd+bwd at N up to 1 048 576: clipkit's fused kernels vs its generic tiled engine vs the full N×N
-# path vs Inf-CL ($BUDGET_FUSED_LOSS; `bash benchmarks/gpu/run.sh OUT ceilings fused_loss summary`).
+# path vs Inf-CL ($BUDGET_FUSED_LOSS; `bash benchmarks/gpu/run.sh OUT ceilings fused_loss summary`);
+# fused_tiles, the fused kernels' fwd+bwd over tile shapes against their defaults ($BUDGET_FUSED_TILES).
 #
 # Every part runs under its own `timeout`, so one hang cannot eat the lease; a part that fails or
 # times out is recorded and the next one runs. The whole run also stops starting parts once
@@ -55,7 +56,7 @@ total=${CLIPKIT_GPU_TOTAL_S:-420}
 : "${BUDGET_KME:=95}" "${BUDGET_BATCH_WALL:=45}" "${BUDGET_LOADER:=50}" "${BUDGET_KME_TILES:=70}"
 # A launch takes about a minute of wall time on a shared CPU: the rehearsal's scaleout gets more.
 if [ -n "$rehearsal" ]; then : "${BUDGET_SCALEOUT:=240}"; else : "${BUDGET_SCALEOUT:=120}"; fi
-: "${BUDGET_FUSED_LOSS:=300}"
+: "${BUDGET_FUSED_LOSS:=300}" "${BUDGET_FUSED_TILES:=170}"
 work=$(mktemp -d "${TMPDIR:-/tmp}/clipkit-gpu.XXXXXX")   # the parts' JSON files, merged at the end
 site=$work/site                                            # where carried wheels are installed
 trap 'rm -rf "$work"' EXIT
@@ -157,14 +158,14 @@ for part in "${parts[@]}"; do
             [ -d "$site" ] && export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} ;;
         versions) log versions; print_versions ;;
         tests) run_step tests "$BUDGET_TESTS" bash -c "$(declare -f run_tests); $(declare -p python rehearsal results); run_tests" ;;
-        ceilings | vit_step | kme | batch_wall | loader | scaleout | kme_tiles | fused_loss)
+        ceilings | vit_step | kme | batch_wall | loader | scaleout | kme_tiles | fused_loss | fused_tiles)
             budget_var=BUDGET_$(echo "$part" | tr a-z A-Z)
             run_step "$part" "${!budget_var}" "$python" "benchmarks/gpu/part_$part.py" --out "$work" ;;
         summary)
             log summary
             "$python" benchmarks/gpu/summarize.py --parts "$work" --status "$CLIPKIT_GPU_STATUS" \
                 --junit "$results/pytest.xml" --results "$results" ;;
-        *) log "unknown part $part (known: install versions ceilings tests vit_step kme batch_wall loader scaleout kme_tiles fused_loss summary)" ;;
+        *) log "unknown part $part (known: install versions ceilings tests vit_step kme batch_wall loader scaleout kme_tiles fused_loss fused_tiles summary)" ;;
     esac
 done
 log "done"
