@@ -131,11 +131,16 @@ class Point:
         reference = "fused" if "fused" in self.results else "tiled"
         if reference not in self.results or name not in self.results or name == reference:
             return None
-        ref, got = self.results[reference], self.results[name]
-        worst = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-30)
-        for want, have in zip(ref[1:], got[1:], strict=True):
-            worst = max(worst, float((have - want).abs().max() / want.abs().max().clamp_min(1e-30)))
-        return reference, worst
+        return reference, relative_difference(self.results[name], self.results[reference])
+
+
+def relative_difference(got: tuple, reference: tuple) -> float:
+    """Max relative difference of (loss, grad_a, grad_b) to ``reference``'s: |Δloss| / |loss|, and
+    per gradient max |Δ| / max |reference|."""
+    worst = abs(got[0] - reference[0]) / max(abs(reference[0]), 1e-30)
+    for want, have in zip(reference[1:], got[1:], strict=True):
+        worst = max(worst, float((have - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+    return worst
 
 
 class Part:

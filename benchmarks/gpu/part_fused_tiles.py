@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 from common import device, figure, median, parse_out, pick, process_seconds, read_ceilings, rehearsal, time_ms
 from common import write_part as write  # noqa: I001 (two lines: the names do not fit one)
-from part_fused_loss import Point
+from part_fused_loss import Point, relative_difference
 
 from clipkit.tiled import fused
 
@@ -70,13 +70,6 @@ def tiles(config: tuple, d: int) -> fused.Blocks:
     return fused.Blocks(rows, cols, back_rows, back_cols, min(dims, max(16, d)), depth, warps)
 
 
-def difference(result: tuple, reference: tuple) -> float:
-    worst = abs(result[0] - reference[0]) / max(abs(reference[0]), 1e-30)
-    for have, want in zip(result[1:], reference[1:], strict=True):
-        worst = max(worst, float((have - want).abs().max() / want.abs().max().clamp_min(1e-30)))
-    return worst
-
-
 def main() -> None:
     out = parse_out()
     dev = device()
@@ -106,7 +99,7 @@ def main() -> None:
                 )
                 began = time.perf_counter()
                 ms, result = (default_ms, reference) if config is None else run_point(point, blocks)
-                error = difference(result, reference)
+                error = relative_difference(result, reference)
             except Exception as exc:  # noqa: BLE001 (a config that does not compile is a finding)
                 skipped.append(f"{label} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
