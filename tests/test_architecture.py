@@ -48,23 +48,27 @@ def imported_names(module: str, path: Path, *, type_checking: bool = False) -> s
     is_package = path.name == "__init__.py"
     names: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
-        if is_type_checking_block(node) and not type_checking:
-            return
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".") if is_package else module.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
+    def visit(statements: list) -> None:
+        # Imports are statements: only statement bodies are walked, not expressions (~10x fewer nodes).
+        for node in statements:
+            if is_type_checking_block(node) and not type_checking:
+                continue
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = module.split(".") if is_package else module.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                names.add(base)
+                names.update(f"{base}.{alias.name}" for alias in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                children = getattr(node, field, None)
+                if isinstance(children, list):
+                    visit(children)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")))
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
     return names
 
 

@@ -160,7 +160,9 @@ def test_sigterm_to_the_cli_exits_143_with_a_checkpoint_and_the_resume_command(s
 def test_processes_stop_together_when_only_one_gets_the_signal(shards, tmp_path):
     """Two processes (torchrun, gloo); rank 1 alone gets SIGTERM during step 3: both stop after
     step 3 with one complete checkpoint (both RNG files), and resuming under two processes reaches
-    the uninterrupted two-process run's weights bit for bit."""
+    the uninterrupted two-process run's weights bit for bit. The signalled run is torchrun's (its
+    agent and exit codes are the point); the uninterrupted run and the resume are the same two
+    processes forked warm (tests/warm_launch.py), which spares four interpreter and torch start-ups."""
     script = HERE / "distributed" / "graceful_stop.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("_TORCHINDUCTOR") and k != "RANK"}
     env["OMP_NUM_THREADS"] = "1"
@@ -180,8 +182,12 @@ def test_processes_stop_together_when_only_one_gets_the_signal(shards, tmp_path)
             launch + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )
 
+    def warm(run_dir: Path, mode: str) -> subprocess.CompletedProcess:
+        args = [str(shards), str(run_dir), mode]
+        return warm_launch.run(args, script=script, cwd=tmp_path, processes=2, env=env)
+
     full, stopped = tmp_path / "full", tmp_path / "stopped"
-    done = torchrun(full, "full")
+    done = warm(full, "full")
     assert done.returncode == 0, done.stderr[-4000:]
     done = torchrun(stopped, "signal-rank-1")
     assert done.returncode != 0  # torchrun reports the processes' exit codes (143)
@@ -191,7 +197,7 @@ def test_processes_stop_together_when_only_one_gets_the_signal(shards, tmp_path)
     (checkpoint,) = list_checkpoints(stopped)
     assert checkpoint.name == "step-00000003"
     assert {p.name for p in checkpoint.iterdir()} >= {"state.pt", "rng-0.pt", "rng-1.pt"}
-    done = torchrun(stopped, "resume")
+    done = warm(stopped, "resume")
     assert done.returncode == 0, done.stderr[-4000:]
     assert_same_weights(
         load_checkpoint(list_checkpoints(stopped)[-1]), load_checkpoint(list_checkpoints(full)[-1])
