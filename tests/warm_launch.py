@@ -37,7 +37,8 @@ from pathlib import Path
 
 #: What the fork server imports once (what a clipkit process imports anyway, plus the optional
 #: heavy ones the launched tests use: DeepSpeed, FSDP2, the report's plots). torch._dynamo:
-#: torch.optim imports it when the first optimiser is built.
+#: torch.optim imports it when the first optimiser is built. DeepSpeed's muon module: ZeRO's
+#: optimizer check imports it, and it imports Inductor (4.7 s a process here).
 PRELOAD = [
     "torch",
     "torch._dynamo",
@@ -45,6 +46,7 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "accelerate",
     "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
     "webdataset",
     "matplotlib.pyplot",
     "clipkit.app.cli",
