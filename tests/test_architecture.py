@@ -10,6 +10,7 @@ leave them out; the rule against import cycles counts them (a cycle held apart o
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def is_type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once for both import maps below."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def imported_names(module: str, path: Path, *, type_checking: bool = False) -> set[str]:
     """Every module name ``module`` imports (absolute; ``from X import y`` gives X and X.y);
     ``type_checking``: also those under ``if TYPE_CHECKING:``."""
@@ -68,7 +75,7 @@ def imported_names(module: str, path: Path, *, type_checking: bool = False) -> s
                 if isinstance(children, list):
                     visit(children)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    visit(parsed(path).body)
     return names
 
 

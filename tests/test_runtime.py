@@ -362,7 +362,9 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
     expected = final_state(in_tmp / "reference")
     chooser = random.Random(int(os.environ.get("CLIPKIT_KILL_SEED", "7")))
     killed = 0
-    for attempt in range(3):
+    # FSDP2's runs write a DCP checkpoint every step (~0.5 s each): two kills there, three for DDP.
+    attempts = 3 if strategy == "ddp" else 2
+    for attempt in range(attempts):
         run_dir = in_tmp / f"killed-{attempt}"
         target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
         process = warm_launch.WarmLaunch(command(run_dir), cwd=in_tmp, env=env)
