@@ -48,7 +48,7 @@ class Slot:
 
 #: Plugin slots of a recipe. ``injected`` arguments are passed by the host when the factory names them.
 SLOTS = (
-    Slot("model.image_encoder", "encoder", frozenset({"embed_dim", "image_size"})),
+    Slot("model.image_encoder", "encoder", frozenset({"embed_dim", "image_size", "input_mean", "input_std"})),
     Slot("model.text_encoder", "encoder", frozenset({"embed_dim", "vocab_size", "context_length"})),
     Slot("model.tokenizer", "tokenizer", frozenset()),
     Slot("similarity", "similarity", frozenset({"embed_dim"})),

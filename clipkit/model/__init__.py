@@ -166,6 +166,8 @@ def build_model(recipe: dict, registry: Registry, *, adapters: bool = True) -> C
         "model.image_encoder",
         embed_dim=model.embed_dim,
         image_size=model.image_size,
+        input_mean=tuple(model.mean),  # how the images are normalised (a pretrained tower maps them)
+        input_std=tuple(model.std),
     )
     similarity = build_slot(
         registry, "similarity", recipe["similarity"], "similarity", embed_dim=model.embed_dim

@@ -1,5 +1,6 @@
 """Built-in encoders (``register_encoders``): image towers (CLIP ViT, CLIP's modified ResNet, the
-standard ResNet, a 3-D DenseNet) and text towers (CLIP's text Transformer, BERT-family).
+standard ResNet, a 3-D DenseNet, the ImageNet-pretrained EfficientNet-Lite0) and text towers
+(CLIP's text Transformer, BERT-family).
 
 Every built-in plugin kind is a package like this one: the hook lives in ``__init__`` and
 imports the implementation modules inside the hook, so building the plugin manager (which
@@ -13,7 +14,15 @@ from clipkit.contract.hookspecs import hookimpl
 
 @hookimpl
 def register_encoders(register):
-    from clipkit.plugins.encoders import bert, clip_resnet, densenet3d, resnet, text_transformer, vit
+    from clipkit.plugins.encoders import (
+        bert,
+        clip_resnet,
+        densenet3d,
+        efficientnet,
+        resnet,
+        text_transformer,
+        vit,
+    )
 
     register("vit", vit.vit)
     register("vit_b16", vit.vit_b16)
@@ -37,3 +46,4 @@ def register_encoders(register):
     register("distilbert", bert.distilbert)
     register("distilbert_tiny", bert.distilbert_tiny)
     register("minilm_l6", bert.minilm_l6)
+    register("efficientnet_lite0", efficientnet.efficientnet_lite0)
