@@ -65,6 +65,18 @@ def shared_data():
     return SHARED_DATA
 
 
+@pytest.fixture(autouse=True)
+def _pretrained_image_tower_absent(request, monkeypatch):
+    """The own-data defaults switch a tiny recipe to a 224 px ImageNet-pretrained image tower when
+    its optional package is installed: the many tiny in-process runs on ``--data`` would then depend
+    on what happens to be installed, and cost seconds more each. They see it absent; a test that
+    wants it asks with ``@pytest.mark.pretrained_image_tower``."""
+    if "pretrained_image_tower" not in request.keywords:
+        from clipkit.app import own_data_defaults
+
+        monkeypatch.setattr(own_data_defaults, "has_pretrained_image_tower", lambda: False)
+
+
 def pytest_collection_modifyitems(config, items):
     import importlib.util
 

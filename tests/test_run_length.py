@@ -138,6 +138,46 @@ def test_recipes_without_a_scratch_text_tower_keep_theirs():
     assert not defaults.user_sets(["model.text_encoder_x=1"], "model.text_encoder")
 
 
+def test_tiny_defaults_say_how_to_get_the_pretrained_image_tower(in_tmp, registry, monkeypatch):
+    monkeypatch.setattr(defaults, "has_minilm", lambda: False)
+    recipe, lines = sized(in_tmp, registry, [])
+    assert recipe["model"]["image_encoder"]["name"] == "vit_tiny" and recipe["model"]["image_size"] == 48
+    assert defaults.PRETRAINED_IMAGE_PIP in lines
+
+
+@pytest.mark.pretrained_image_tower
+def test_tiny_defaults_take_the_pretrained_image_tower_when_installed(in_tmp, registry, monkeypatch):
+    """With the package (pretended here: the tower is not built), the locked EfficientNet-Lite0 at
+    224 px on uncropped images replaces vit_tiny; the user's own image settings still win."""
+    monkeypatch.setattr(defaults, "has_pretrained_image_tower", lambda: True)
+    recipe, lines = sized(in_tmp, registry, [])
+    assert recipe["model"]["image_encoder"] == {"name": "efficientnet_lite0", "frozen": True}
+    assert recipe["model"]["image_size"] == 224 and list(recipe["data"]["crop_scale"]) == [1.0, 1.0]
+    assert "EfficientNet-Lite0" in lines
+    recipe, lines = sized(in_tmp, registry, ["model.image_size=64"])
+    assert recipe["model"]["image_encoder"]["name"] == "vit_tiny" and "image:" not in lines
+    assert list(recipe["data"]["crop_scale"]) == [0.8, 1.0]  # a scratch tower keeps the mild crops
+    recipe, _ = sized(in_tmp, registry, ["data.crop_scale=[0.5, 1.0]"])
+    assert recipe["model"]["image_encoder"]["name"] == "efficientnet_lite0"
+    assert list(recipe["data"]["crop_scale"]) == [0.5, 1.0]  # the user's wins (features then not cached)
+
+
+def test_only_pooled_scratch_image_towers_are_replaced(registry):
+    from clipkit.app import api
+    from clipkit.config.recipe import amend_resolved, validate_or_raise
+
+    for spec in ("clip@tiny", "siglip@tiny", "cloob@tiny", "nuclr@tiny", "quickstart"):
+        recipe = api.resolve(spec, [], registry)
+        assert defaults.takes_image_tower(recipe), spec
+        overrides = list(defaults.PRETRAINED_IMAGE_OVERRIDES)
+        validate_or_raise(amend_resolved(recipe, overrides, kept=[], where=spec), registry)
+    for spec in ("wpse@tiny", "kme_clip@tiny", "yaware@tiny", "clip"):
+        assert not defaults.takes_image_tower(api.resolve(spec, [], registry)), spec
+    assert not defaults.takes_image_tower(
+        {"model": {"image_encoder": {"name": "vit_tiny", "output": "tokens"}}}
+    )
+
+
 @pytest.mark.slow
 def test_own_data_run_lasts_epochs_and_a_short_one_says_so(in_tmp):
     """`clipkit train clip@tiny --data TABLE --epochs 2`: 2 epochs over the training rows, said at

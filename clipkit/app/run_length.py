@@ -160,8 +160,10 @@ def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float |
     extra, notes = [], []
     if tiny:
         towers, note = defaults.tower_overrides(recipe, user_overrides)
-        extra += towers + defaults.augment_overrides(recipe, user_overrides)
-        notes += [note] if note else []
+        images, image_note = defaults.image_tower_overrides(recipe, user_overrides)
+        # A locked pretrained image tower sees uncropped images (its features are then cached).
+        extra += towers + (images or defaults.augment_overrides(recipe, user_overrides))
+        notes += [line for line in (note, image_note) if line]
     length = plan(recipe, registry, epochs=None if user_steps else epochs, by_default=tiny and not user_steps)
     steps = length.steps if length is not None else int(section(recipe, "train").steps)
     if length is not None and not user_steps:
