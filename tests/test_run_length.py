@@ -154,6 +154,8 @@ def test_tiny_defaults_take_the_pretrained_image_tower_when_installed(in_tmp, re
     assert recipe["model"]["image_encoder"] == {"name": "efficientnet_lite0", "frozen": True}
     assert recipe["model"]["image_size"] == 224 and list(recipe["data"]["crop_scale"]) == [1.0, 1.0]
     assert "EfficientNet-Lite0" in lines
+    # Only projections train on its fixed features: 10 passes over the 40 rows (one batch of 40).
+    assert recipe["train"]["steps"] == defaults.budget_steps(40, 40, 10) == 10
     recipe, lines = sized(in_tmp, registry, ["model.image_size=64"])
     assert recipe["model"]["image_encoder"]["name"] == "vit_tiny" and "image:" not in lines
     assert list(recipe["data"]["crop_scale"]) == [0.8, 1.0]  # a scratch tower keeps the mild crops

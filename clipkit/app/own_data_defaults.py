@@ -66,6 +66,10 @@ PRETRAINED_IMAGE_OVERRIDES = (
     f"model.image_size={PRETRAINED_IMAGE_SIZE}",
     "data.crop_scale=[1.0, 1.0]",
 )
+#: The most passes over the table with the pretrained image tower: on its fixed features only the
+#: projections train, which fit in a few epochs (the prototype in docs/own-data.md did better at
+#: 10 than at 100), and each pass decodes every image again.
+PRETRAINED_IMAGE_EPOCHS = 10
 #: Pooled image towers learned from scratch that the pretrained one replaces.
 SCRATCH_IMAGE_TOWERS = ("vit_tiny", "rn_tiny", "resnet_tiny")
 
@@ -162,8 +166,8 @@ def warmup_overrides(recipe: dict, steps: int, user_overrides: list[str]) -> lis
     return [f"schedule.warmup_steps={max(1, round(WARMUP_FRACTION * steps))}"]
 
 
-def budget_steps(num_samples: int, batch_size: int) -> int:
-    """The steps of :data:`BUDGET_SAMPLES` pairs, at most :data:`MAX_EPOCHS` passes over
+def budget_steps(num_samples: int, batch_size: int, max_epochs: int = MAX_EPOCHS) -> int:
+    """The steps of :data:`BUDGET_SAMPLES` pairs, at most ``max_epochs`` passes over
     ``num_samples`` (at least one step)."""
-    budget = min(BUDGET_SAMPLES, MAX_EPOCHS * num_samples)
+    budget = min(BUDGET_SAMPLES, max_epochs * num_samples)
     return max(1, -(-budget // batch_size))

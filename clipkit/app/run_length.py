@@ -96,12 +96,14 @@ def count_training_samples(recipe: dict, registry) -> int | None:
     return training_split(shards, recipe_holdout(data)).num_samples
 
 
-def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> RunLength | None:
+def plan(
+    recipe: dict, registry, *, epochs: float | None, by_default: bool, max_epochs: int | None = None
+) -> RunLength | None:
     """The run's length on its data: ``epochs`` when given, the compute budget
-    (:func:`clipkit.app.own_data_defaults.budget_steps`) when ``by_default``, else the recipe's
-    ``train.steps``; None when the data cannot be counted before training
-    (:func:`count_training_samples`)."""
-    from clipkit.app.own_data_defaults import budget_steps
+    (:func:`clipkit.app.own_data_defaults.budget_steps`, at most ``max_epochs`` passes when given)
+    when ``by_default``, else the recipe's ``train.steps``; None when the data cannot be counted
+    before training (:func:`count_training_samples`)."""
+    from clipkit.app.own_data_defaults import MAX_EPOCHS, budget_steps
     from clipkit.config.recipe import section
 
     num_samples = count_training_samples(recipe, registry)
@@ -113,7 +115,7 @@ def plan(recipe: dict, registry, *, epochs: float | None, by_default: bool) -> R
     if epochs is not None:
         steps = steps_for(epochs, num_samples, batch)
     elif by_default:
-        steps = budget_steps(num_samples, batch)
+        steps = budget_steps(num_samples, batch, max_epochs or MAX_EPOCHS)
     else:
         steps = int(section(recipe, "train").steps)
     return RunLength(steps, batch, num_samples)
@@ -157,14 +159,19 @@ def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float |
     from clipkit.config.recipe import amend_resolved, section, validate_or_raise
 
     user_steps, tiny = sets_steps(user_overrides), sized_by_epochs(spec)
-    extra, notes = [], []
+    extra, notes, images = [], [], []
     if tiny:
         towers, note = defaults.tower_overrides(recipe, user_overrides)
         images, image_note = defaults.image_tower_overrides(recipe, user_overrides)
         # A locked pretrained image tower sees uncropped images (its features are then cached).
         extra += towers + (images or defaults.augment_overrides(recipe, user_overrides))
         notes += [line for line in (note, image_note) if line]
-    length = plan(recipe, registry, epochs=None if user_steps else epochs, by_default=tiny and not user_steps)
+    # With the pretrained image tower only projections train on fixed features: fewer passes.
+    max_epochs = defaults.PRETRAINED_IMAGE_EPOCHS if images else None
+    by_default = tiny and not user_steps
+    length = plan(
+        recipe, registry, epochs=None if user_steps else epochs, by_default=by_default, max_epochs=max_epochs
+    )
     steps = length.steps if length is not None else int(section(recipe, "train").steps)
     if length is not None and not user_steps:
         extra.append(f"train.steps={length.steps}")
