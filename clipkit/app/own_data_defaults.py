@@ -20,7 +20,9 @@ the run is sized and set for generalising to concepts the table does not hold:
   pooled tiny image tower learned from scratch (``vit_tiny``, ``rn_tiny``, ``resnet_tiny``); only
   its projection trains, and, with the images left uncropped, its features are computed once per
   image. A tower trained from scratch on a few thousand images learns their concepts and little
-  else; retrieval and zero-shot over concepts the table lacks need features that know more;
+  else; retrieval and zero-shot over concepts the table lacks need features that know more.
+  With both pretrained towers the text side keeps MiniLM's own 384-wide sentence space (no
+  projection: :data:`SENTENCE_SPACE_OVERRIDES`) and only the image projection trains;
 - **mild augmentation** (with a tower trained from scratch): random-resized crops of 80–100 % of
   the image (no flips: captions may say left or right), so many epochs of a small table do not
   memorise pixels;
@@ -72,6 +74,16 @@ PRETRAINED_IMAGE_OVERRIDES = (
 PRETRAINED_IMAGE_EPOCHS = 10
 #: Pooled image towers learned from scratch that the pretrained one replaces.
 SCRATCH_IMAGE_TOWERS = ("vit_tiny", "rn_tiny", "resnet_tiny")
+#: all-MiniLM-L6-v2's sentence-embedding width.
+MINILM_WIDTH = 384
+#: With both pretrained towers: the text tower keeps its own sentence space (no projection) and the
+#: image projection learns to map into it. A projection learned on the table's captions bends that
+#: space to their words; left alone, names the captions never show stay where MiniLM put them
+#: (docs/own-data.md measures both).
+SENTENCE_SPACE_OVERRIDES = (
+    "model.text_encoder={name: minilm_l6, frozen: true, projection: false}",
+    f"model.embed_dim={MINILM_WIDTH}",
+)
 
 
 def has_minilm() -> bool:
@@ -153,6 +165,22 @@ def image_tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list
     return swap_in(
         takes_image_tower(recipe), user_overrides, keys, installed, PRETRAINED_IMAGE_OVERRIDES, notes
     )
+
+
+def sentence_space_overrides(
+    text: list[str], images: list[str], user_overrides: list[str]
+) -> tuple[list[str], str | None]:
+    """(the pretrained text tower's overrides ``text``, made to keep its sentence space unprojected,
+    the text line to print instead of :func:`tower_overrides`' one) when the pretrained image tower
+    (``images``) came in too and the user set no ``model.embed_dim``; else (``text``, None)."""
+    if not (text and images) or user_sets(user_overrides, "model.embed_dim"):
+        return text, None
+    kept = [item for item in text if not item.startswith("model.text_encoder=")]
+    note = (
+        f"text: the pretrained all-MiniLM-L6-v2 tower (locked, unprojected: its own {MINILM_WIDTH}-wide "
+        "sentence space, which the image projection learns to map into), installed"
+    )
+    return kept + list(SENTENCE_SPACE_OVERRIDES), note
 
 
 def augment_overrides(recipe: dict, user_overrides: list[str]) -> list[str]:

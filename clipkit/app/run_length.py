@@ -163,9 +163,10 @@ def size_run(spec: str, recipe: dict, user_overrides: list[str], epochs: float |
     if tiny:
         towers, note = defaults.tower_overrides(recipe, user_overrides)
         images, image_note = defaults.image_tower_overrides(recipe, user_overrides)
+        towers, space_note = defaults.sentence_space_overrides(towers, images, user_overrides)
         # A locked pretrained image tower sees uncropped images (its features are then cached).
         extra += towers + (images or defaults.augment_overrides(recipe, user_overrides))
-        notes += [line for line in (note, image_note) if line]
+        notes += [line for line in (space_note or note, image_note) if line]
     # With the pretrained image tower only projections train on fixed features: fewer passes.
     max_epochs = defaults.PRETRAINED_IMAGE_EPOCHS if images else None
     by_default = tiny and not user_steps

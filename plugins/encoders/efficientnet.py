@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clipkit.artifacts.integrity import artifact_root
 from clipkit.contract.types import PointSet
 from clipkit.errors import ClipkitError
 
@@ -204,11 +205,12 @@ def efficientnet_lite0(
     trainable projection 1280 -> embed_dim. ``frozen`` (default) locks the backbone (LiT);
     ``frozen=False`` fine-tunes it. ``input_mean`` / ``input_std`` are passed by clipkit (the
     recipe's ``model.mean`` / ``model.std``); ``pretrained=False`` builds the same network with
-    torch's default initialisation (tests)."""
+    torch's default initialisation (tests). Rebuilt from an export, the export's weights replace
+    the ImageNet ones, so reading it needs no package."""
     encoder = EfficientNetLiteEncoder(
         embed_dim=embed_dim, image_size=image_size, frozen=frozen, input_mean=input_mean,
         input_std=input_std,
     )  # fmt: skip
-    if pretrained:
+    if pretrained and artifact_root() is None:  # rebuilt from an export: its weights replace these
         load_imagenet_weights(encoder.backbone, packaged_weights())
     return encoder
