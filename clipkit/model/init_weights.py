@@ -191,7 +191,8 @@ def row_keys(x: Tensor) -> list[bytes]:
     """A digest of each row's exact content (dtype, shape and bytes): equal inputs, equal keys.
 
     SHA-256 over the row's memory in place: CPUs hash it in hardware (SHA-NI), about 2x BLAKE2b's
-    speed here, and no copy is made; a batch of 64 images at 224 px costs ~27 ms instead of ~76 ms."""
+    speed here, and no copy is made (a batch of 64 images at 224 px: ~27 ms instead of ~76 ms,
+    measured once on these cores)."""
     rows = x.detach().cpu().contiguous()
     header = f"{rows.dtype}{tuple(rows.shape[1:])}".encode()
     flat = rows.reshape(len(rows), -1).view(torch.uint8).numpy()
