@@ -55,6 +55,32 @@ PRELOAD = [
     "clipkit.train.loop",
     "clipkit.data.loader",
     "clipkit.eval.report",
+    # What every run imports after those (found by listing a warm rank's new modules): the recipe
+    # parser, the console, the image decoders and the built-in plugins the registry collects.
+    "omegaconf",
+    "rich.console",
+    "rich.progress",
+    "rich.table",
+    "PIL.JpegImagePlugin",
+    "PIL.PngImagePlugin",
+    "clipkit.contract.manager",
+    "clipkit.plugins.encoders",
+    "clipkit.plugins.evals",
+    "clipkit.plugins.experiments",
+    "clipkit.plugins.loggers",
+    "clipkit.plugins.losses",
+    "clipkit.plugins.optim",
+    "clipkit.plugins.optim_groups",
+    "clipkit.plugins.recipes",
+    "clipkit.plugins.similarities",
+    "clipkit.plugins.sources",
+    "clipkit.plugins.tokenizers",
+    "clipkit.artifacts.export",
+    "clipkit.artifacts.reader",
+    "clipkit.eval.evaluate",
+    "clipkit.tiled.engine",
+    "clipkit.train.runtime.ddp",
+    "clipkit.train.runtime.sharding",
 ]
 
 #: What ``accelerate launch --multi_gpu --mixed_precision no --dynamo_backend no`` adds to each

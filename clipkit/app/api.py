@@ -206,6 +206,7 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
 
     registry = registry or default_registry()
     started = time.perf_counter()
+    _freeze_imported_objects()
     if resume:
         if run_dir is None:
             raise ClipkitError("--resume needs --run-dir (the run to continue)")
@@ -240,18 +241,36 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
     return result
 
 
+def _launched() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _freeze_imported_objects() -> None:
+    """In a launched process, move every object that exists before the run (the ~500 000 of the
+    imported modules) out of the garbage collector's reach (``gc.freeze``), so that the collection
+    at the end (:func:`_release_launch_objects`) scans the run's own objects only: ~0.5 CPU-s less
+    per rank. They are module-level objects that live as long as the process anyway."""
+    if _launched():
+        import gc
+
+        gc.freeze()
+
+
 def _release_launch_objects() -> None:
     """In a launched process, free the trainer's objects now, while the interpreter is whole.
 
     The DDP wrapper and its reducer keep the (destroyed) process group's gloo worker threads alive
     through reference cycles; left to interpreter shutdown, their teardown was seen to abort a rank
     ("terminate called without an active exception", SIGABRT) after the run had finished and
-    committed its last checkpoint, so the launcher reported a failed run.
+    committed its last checkpoint, so the launcher reported a failed run. The objects that existed
+    before the run were frozen (:func:`_freeze_imported_objects`): they are not scanned, and are
+    handed back to the collector afterwards.
     """
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if _launched():
         import gc
 
         gc.collect()
+        gc.unfreeze()
 
 
 def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool) -> TrainResult:
