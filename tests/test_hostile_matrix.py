@@ -118,6 +118,43 @@ def test_every_http_transport_fault_is_a_counted_shard_fault(server):
     assert fault_of(f"http://127.0.0.1:{free_port()}/x.tar").reason == "unreachable"
 
 
+def test_a_tar_cut_at_or_inside_a_member_header_is_corrupt_not_shorter(shards, tmp_path):
+    """tarfile ends an archive silently where a header is missing or partial: a shard cut there
+    would read as a valid one with fewer samples. It is a corrupt_tar fault instead — local, as a
+    segment entered mid-shard, and through a pipe — after the whole records before the cut; a tar
+    whose end-of-archive blocks are cut after their first block still reads whole."""
+    import tarfile
+
+    tar = shards / "shard-000000.tar"
+    data = tar.read_bytes()
+    with tarfile.open(tar) as archive:
+        members = list(archive)
+    record_starts: dict[str, int] = {}  # key -> offset of the record's first member header
+    for member in members:
+        record_starts.setdefault(member.name.split(".")[0], member.offset)
+    keys = list(record_starts)[:3]
+    fourth = record_starts[list(record_starts)[3]]
+    last = members[-1]
+    members_end = last.offset_data + -(-last.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    cuts = {"at-a-header": fourth, "inside-a-header": fourth + 100, "before-the-end-blocks": members_end}
+    for name, cut in cuts.items():
+        broken = tmp_path / f"{name}.tar"
+        broken.write_bytes(data[:cut])
+        for url in (str(broken), f"pipe:cat {broken}"):
+            fault = fault_of(url)
+            assert fault.reason == "corrupt_tar" and "truncated" in str(fault), (name, url, fault)
+        with pytest.raises(ShardUnavailable, match="truncated"):
+            list(tar_records(str(broken), QUICK, skip=1))
+    taken = []
+    with pytest.raises(ShardUnavailable):
+        for record in tar_records(str(tmp_path / "inside-a-header.tar"), QUICK):
+            taken.append(record["__key__"])
+    assert taken == keys  # the three whole records before the cut, then the fault
+    kept = tmp_path / "end-block-cut.tar"
+    kept.write_bytes(data[: members_end + tarfile.BLOCKSIZE + 100])
+    assert sum(1 for _ in tar_records(str(kept), QUICK)) == 16
+
+
 def test_a_pipe_exit_status_is_always_read(shards, tmp_path):
     """A command that writes a complete tar and exits 1 fails the shard; one that closes its
     output and lingers is killed after the timeout, as a fault (not TimeoutExpired)."""

@@ -51,7 +51,7 @@ from clipkit.errors import ClipkitError, DataError
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = "clipkit-shard-journal/1"
 #: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical).
-MEMBER_MTIME = 0.0
+MEMBER_MTIME = 0
 #: A finished shard set (``OUT``) and an interrupted one (``OUT.partial``): the files clipkit writes
 #: there. A directory holding anything else is refused unless ``overwrite`` (see
 #: :func:`clipkit.artifacts.io.claim_output_directory`).

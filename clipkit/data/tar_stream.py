@@ -157,6 +157,12 @@ def tar_records(
 
 
 def group_members(url: str, stream) -> Iterator[dict[str, Any]]:
+    """The records of the tar ``stream``; a ShardUnavailable (``corrupt_tar``) after the last whole
+    record when the archive breaks off where a member header should be.
+
+    tarfile ends an archive silently at a missing or partial header (only at offset 0 is it an
+    error), so a shard cut at or inside a member header would read as a shorter, valid one: here
+    the block read where the next header was expected must be whole (tar's end-of-archive block)."""
     record: dict[str, Any] = {}
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -170,8 +176,15 @@ def group_members(url: str, stream) -> Iterator[dict[str, Any]]:
             if not record:
                 record = {"__key__": key, "__url__": url}
             record[field] = tar.extractfile(member).read()
+        ending = tar.fileobj.pos - tar.offset  # bytes of the block where a header was expected
     if record:
         yield record
+    if ending < tarfile.BLOCKSIZE:
+        raise ShardUnavailable(
+            url,
+            "corrupt_tar",
+            f"truncated: it ends where a member header should be ({ending} of its 512 bytes there)",
+        )
 
 
 class CountedFile:
