@@ -50,7 +50,8 @@ from clipkit.errors import ClipkitError, DataError
 
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = "clipkit-shard-journal/1"
-#: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical).
+#: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical);
+#: an int, since a float makes tarfile write a 1 KiB PAX header before every member.
 MEMBER_MTIME = 0
 #: A finished shard set (``OUT``) and an interrupted one (``OUT.partial``): the files clipkit writes
 #: there. A directory holding anything else is refused unless ``overwrite`` (see
