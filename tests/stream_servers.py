@@ -15,22 +15,25 @@ import threading
 import time
 from pathlib import Path
 
+PREFIXES = ("/stall/", "/flaky/", "/cut/", "/chunked-cut/", "/bad-status/", "/redirect/", "/norange/")
+
 
 class ShardHandler(http.server.SimpleHTTPRequestHandler):
     """Serves ``server.root``; paths under ``/stall/`` send headers then nothing until
     ``server.release`` is set, under ``/flaky/`` answer 500 to each file's first request, under
     ``/cut/`` send each body's first half and close (Content-Length says the whole); supports
-    ``Range`` for ``/cut/`` resumption. ``/chunked-cut/`` breaks a chunked body off mid-chunk,
-    ``/bad-status/`` answers a malformed status line, ``/redirect/REST`` answers 302 to
+    ``Range`` (``bytes=A-`` and ``bytes=A-B``) everywhere but under ``/norange/``, which answers
+    the whole file, as Python's own server does. ``/chunked-cut/`` breaks a chunked body off
+    mid-chunk, ``/bad-status/`` answers a malformed status line, ``/redirect/REST`` answers 302 to
     ``server.redirect_to``/REST. Every request's ``Authorization`` header is recorded in
-    ``server.authorizations``."""
+    ``server.authorizations``, its ``Range`` header in ``server.ranges`` (path, header or None)."""
 
     def log_message(self, *args) -> None:  # quiet test output
         pass
 
     def translate_path(self, path: str) -> str:
         path = path.split("?", 1)[0]
-        for prefix in ("/stall/", "/flaky/", "/cut/", "/chunked-cut/", "/bad-status/", "/redirect/"):
+        for prefix in PREFIXES:
             if path.startswith(prefix):
                 path = "/" + path[len(prefix) :]
         return str(Path(self.server.root) / path.lstrip("/"))
@@ -39,6 +42,7 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
         server = self.server
         server.requests.append(self.path)
         server.authorizations.append((self.path, self.headers.get("Authorization")))
+        server.ranges.append((self.path, self.headers.get("Range")))
         target = Path(self.translate_path(self.path))
         if self.path.startswith("/chunked-cut/") and target.is_file():
             # Transfer-Encoding: chunked, broken off inside a chunk: http.client's IncompleteRead.
@@ -75,21 +79,41 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
         if self.path.startswith("/cut/") and target.is_file():
             self.send_cut(target)
             return
+        if self.headers.get("Range") and not self.path.startswith("/norange/") and target.is_file():
+            self.send_part(target)
+            return
         super().do_GET()
+
+    def requested_range(self, size: int) -> tuple[int, int]:
+        """[start, end) of a ``Range: bytes=A-`` or ``bytes=A-B`` header (the whole file without one)."""
+        first, _, last = self.headers.get("Range", "bytes=0-")[len("bytes=") :].partition("-")
+        return int(first or 0), min(int(last) + 1, size) if last else size
+
+    def send_part(self, target: Path) -> None:
+        body = target.read_bytes()
+        start, end = self.requested_range(len(body))
+        if start >= len(body):
+            self.send_error(416, "range not satisfiable")
+            return
+        self.send_response(206)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(body)}")
+        self.end_headers()
+        self.wfile.write(body[start:end])
 
     def send_cut(self, target: Path) -> None:
         body = target.read_bytes()
-        start = int(self.headers.get("Range", "bytes=0-")[len("bytes=") :].rstrip("-") or 0)
+        start, end = self.requested_range(len(body))
         self.send_response(206 if start else 200)
-        self.send_header("Content-Length", str(len(body) - start))
+        self.send_header("Content-Length", str(end - start))
         if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(body)}")
         self.end_headers()
         if start == 0:  # the first attempt breaks off half-way; a Range request gets the rest
-            self.wfile.write(body[: len(body) // 2])
+            self.wfile.write(body[: end // 2])
             self.close_connection = True
             return
-        self.wfile.write(body[start:])
+        self.wfile.write(body[start:end])
 
 
 @contextlib.contextmanager
@@ -99,7 +123,7 @@ def http_server(root: Path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ShardHandler)
     server.daemon_threads = True
     server.root, server.requests, server.failed_once = str(root), [], set()
-    server.authorizations, server.redirect_to = [], ""
+    server.authorizations, server.redirect_to, server.ranges = [], "", []
     server.release = threading.Event()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -301,7 +301,7 @@ def test_a_full_disk_during_clipkit_shard_keeps_the_finished_shards_to_resume(tm
     line = assert_disk_full(result, "disk/out")
     assert "finished shard(s)" in line and "rerun the same command" in line
     partial = disk / "out.partial"
-    kept = ["journal.json", "shard-000000.tar", "shard-000001.tar"]
+    kept = ["journal.json"] + [f"shard-00000{n}.tar{index}" for n in (0, 1) for index in ("", ".idx")]
     assert sorted(p.name for p in partial.iterdir()) == kept
     assert not (disk / "out").exists()
     small_disk(disk, 10**12)

@@ -6,9 +6,12 @@ resume exactly."""
 
 from __future__ import annotations
 
+import collections
 import itertools
+import json
 import math
 import random
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -19,8 +22,11 @@ from stream_servers import http_server, moto_available, s3_server
 from clipkit.app import api
 from clipkit.contract.manager import make_plugin_manager
 from clipkit.contract.registry import Registry
-from clipkit.data.epoch_plan import EpochPlan, cut_segments, lane_quotas, lane_range, read_segments
+from clipkit.data import tar_index
+from clipkit.data.epoch_plan import EpochPlan, Segment, cut_segments, lane_quotas, lane_range, read_segments
 from clipkit.data.loader import BatchStream, metric_label
+from clipkit.data.shard import verify_shards
+from clipkit.data.tar_index import index_path, parse_index
 from clipkit.data.transforms import ImageTransform
 
 SOURCE = "synthetic://shapes?n=128&split=train&image_size=24"
@@ -216,15 +222,23 @@ def test_ranks_with_lanes_see_every_index_once(shards):
 
 @pytest.mark.skipif(not moto_available(), reason="moto[server], boto3 or s3fs not installed (the dev extra)")
 def test_s3_fetches_each_shard_once_per_epoch(shards):
-    files = {f"shapes/{path.name}": path for path in shards.glob("*.tar")}
+    """2 lanes cut between shards, 3 inside them (entered and left by the shards' indexes)."""
+    files = {f"shapes/{path.name}": path for path in shards.iterdir() if path.suffix in (".tar", ".idx")}
     files["shapes/manifest.json"] = shards / "manifest.json"
-    local = list(stream(shards, num_workers=0, lanes=2).loader(0, 0))
+    size = shard_bytes(shards)
     with s3_server("clipkit-split", files):
-        batches = stream(f"s3://clipkit-split/shapes/{ALL}", num_workers=2)
-        got = take(batches, 16)
-    assert same(got, local)
-    # What the block cache asked the store for: each shard once, whole (they are under a block).
-    assert sum(batches.bytes_fetched.values()) == sum(batches.bytes_read.values()) == shard_bytes(shards)
+        for lanes in (2, 3):
+            local = list(stream(shards, num_workers=0, lanes=lanes).loader(0, 0))
+            tar_index.forget()
+            batches = stream(f"s3://clipkit-split/shapes/{ALL}", num_workers=lanes)
+            assert same(take(batches, 16), local)
+            cut = cut_shards(batches, lanes)
+            indexes = sum(index_path(shards / name).stat().st_size for name in cut)
+            # What the store was asked for: each byte once (a whole shard is under a block; a window
+            # is fetched as asked); a cut shard's index by each of the two workers whose lanes meet there.
+            assert sum(batches.bytes_read.values()) == size
+            assert sum(batches.bytes_fetched.values()) == size + 2 * indexes, lanes
+            assert bool(cut) == (lanes == 3)
 
 
 def test_a_missing_shard_is_counted_once_and_its_lane_still_fills_its_batches(shards, server):
@@ -247,24 +261,140 @@ def test_a_missing_shard_is_counted_once_and_its_lane_still_fills_its_batches(sh
         assert batches.shards_skipped["http_404"] >= 1
 
 
-def test_a_lane_starting_inside_a_local_shard_seeks_to_its_member(shards, server):
-    """3 lanes of 6, 5 and 5 batches: a cut falls inside a shard. A local lane starting there reads
-    only the headers of the members before it; over HTTP (no seeking) it reads those members."""
+def cut_shards(batches: BatchStream, lanes: int) -> list[Path]:
+    """The shards the epoch-0 lanes of a one-process run cut (a lane starts inside them)."""
+    plan = EpochPlan.build(batches.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
+    segments = [s for lane in range(lanes) for s in plan.lane_segments(lane, lanes, 8) if s.start > 0]
+    return sorted({Path(segment.url.rpartition("/")[2]) for segment in segments})
+
+
+def test_every_shard_has_an_index_of_where_its_records_start(shards):
+    """``shard-N.tar.idx``: each record's key and the offset of its first header, and the tar's size."""
+    for tar in sorted(shards.glob("*.tar")):
+        index = parse_index(index_path(tar).read_bytes())
+        with tarfile.open(tar) as archive:
+            firsts = {}
+            for member in archive.getmembers():
+                firsts.setdefault(member.name.split(".", 1)[0], member.offset)
+        assert index is not None and index.size == tar.stat().st_size
+        assert list(index.keys) == list(firsts) and list(index.offsets) == list(firsts.values())
+    assert verify_shards(shards)["problems"] == []
+
+
+def test_lanes_cutting_shards_read_and_fetch_each_byte_once_locally_and_over_http(shards, server):
+    """3 lanes of 6, 5 and 5 batches: cuts fall inside shards. With the shards' indexes each lane
+    reads only its records' bytes — a local file seeks, HTTP asks for a Range — so the epoch reads
+    the data exactly once; what is fetched besides is the indexes of the shards cut (once per
+    process: a loaded index is kept)."""
+    tar_index.forget()
     local = stream(shards, num_workers=0, lanes=3)
+    local_epoch = take(local, 16)
+    server.ranges.clear()
     http = stream(f"{server.url}/shapes/{ALL}", num_workers=0, lanes=3)
-    assert same(take(local, 16), take(http, 16))
+    assert same(local_epoch, take(http, 16))
     size = shard_bytes(shards)
+    cut = cut_shards(local, 3)
+    assert cut
+    indexes = sum(index_path(shards / name).stat().st_size for name in cut)
+    for batches in (local, http):
+        assert sum(batches.bytes_read.values()) == size
+        assert sum(batches.bytes_fetched.values()) == size + indexes
+    # What the server was asked for: each cut shard in parts that tile it, every other one whole.
+    asked = collections.defaultdict(list)
+    for path, header in server.ranges:
+        if path.endswith(".tar"):
+            length = (shards / Path(path).name).stat().st_size
+            first, _, last = (header or "bytes=0-")[len("bytes=") :].partition("-")
+            asked[Path(path).name].append((int(first), int(last) + 1 if last else length))
+    assert len(asked) == 8
+    for name, parts in asked.items():
+        length = (shards / name).stat().st_size
+        tiles = sorted(parts)
+        assert tiles[0][0] == 0 and tiles[-1][1] == length, name
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(tiles)), name
+        assert (len(parts) > 1) == (Path(name) in cut), name
+
+
+def test_without_indexes_a_local_lane_reads_headers_and_a_streamed_one_the_records_before(shards, server):
+    """Shards another tool wrote have no index: a local lane starting inside one reads the headers
+    of the members before it; over HTTP (a stream) it reads those members. The batches are the same."""
+    plain = shards.parent / "no-index"
+    if not plain.exists():
+        shutil.copytree(shards, plain, ignore=shutil.ignore_patterns("*.idx"))
+    local = stream(plain, num_workers=0, lanes=3)
+    http = stream(f"{server.url}/no-index/{ALL}", num_workers=0, lanes=3)
+    indexed = take(stream(shards, num_workers=0, lanes=3), 16)
+    assert same(take(local, 16), indexed) and same(take(http, 16), indexed)
+    size = shard_bytes(plain)
     local_read, http_read = sum(local.bytes_read.values()), sum(http.bytes_read.values())
     assert size < local_read < http_read
-    # Over the data, a local lane reads: the header blocks (with their pax blocks) of the members
-    # up to its first, one byte per member as tarfile checks the end, and the lane before the cut
-    # may read into the next 10 KiB tar record.
-    plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
-    cuts = [s for lane in range(3) for s in plan.lane_segments(lane, 3, 8) if s.start > 0]
-    assert cuts
+    # Over the data, a local lane reads: the header blocks of the members up to its first, one byte
+    # per member as tarfile checks the end, and the lane before the cut may read into the next
+    # 10 KiB tar record.
     allowed = 0
-    for segment in cuts:
-        with tarfile.open(segment.url) as tar:
-            members = tar.getmembers()[: 3 * segment.start + 1]  # 3 members a sample, and the first
-        allowed += sum(m.offset_data - m.offset + 1 for m in members) + tarfile.RECORDSIZE
+    for name in cut_shards(local, 3):
+        plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
+        starts = [s.start for lane in range(3) for s in plan.lane_segments(lane, 3, 8)
+                  if s.start > 0 and s.url.endswith(str(name))]  # fmt: skip
+        with tarfile.open(plain / name) as tar:
+            members = tar.getmembers()
+        for start in starts:
+            allowed += (
+                sum(m.offset_data - m.offset + 1 for m in members[: 3 * start + 1]) + tarfile.RECORDSIZE
+            )
     assert local_read - size <= allowed
+
+
+def stale_copy(shards: Path, name: str, change) -> Path:
+    """A copy of the shard set whose ``name``'s index ``change(index dict)`` altered."""
+    target = shards.parent / f"stale-{change.__name__}"
+    if not target.exists():
+        shutil.copytree(shards, target)
+        index = json.loads(index_path(target / name).read_text())
+        change(index)
+        index_path(target / name).write_text(json.dumps(index))
+    return target
+
+
+def shifted(index: dict) -> None:
+    index["offsets"] = [0] + [offset + 512 * 3 for offset in index["offsets"][1:-1]] + index["offsets"][-1:]
+
+
+def resized(index: dict) -> None:
+    index["size"] += 10240
+
+
+@pytest.mark.parametrize("change", [shifted, resized])
+def test_a_stale_index_is_not_trusted_and_the_tar_is_read_from_its_start(shards, server, change):
+    """An index that does not match its tar (records at other offsets, another size): the lane
+    reads the tar from its start instead — the same batches, locally and over HTTP."""
+    reference = take(stream(shards, num_workers=0, lanes=3), 16)
+    for name in cut_shards(stream(shards, num_workers=0, lanes=3), 3):
+        stale = stale_copy(shards, name.name, change)
+        local = stream(stale, num_workers=0, lanes=3)
+        http = stream(f"{server.url}/{stale.name}/{ALL}", num_workers=0, lanes=3)
+        assert same(take(local, 16), reference) and same(take(http, 16), reference), name
+        assert sum(http.bytes_read.values()) > shard_bytes(shards)  # the stale one read from its start
+        # `clipkit shard --verify` names it.
+        assert verify_shards(stale)["problems"] == [
+            f"{name}.idx: does not match {name} (the loader reads that tar from its start)"
+        ]
+        break
+
+
+def test_a_server_that_ignores_range_is_read_from_the_start(shards, server):
+    """Python's own file server answers a Range request with the whole file: each lane then reads
+    the shard from its start, as without an index."""
+    reference = take(stream(shards, num_workers=0, lanes=3), 16)
+    ignoring = stream(f"{server.url}/norange/shapes/{ALL}", num_workers=0, lanes=3)
+    assert same(take(ignoring, 16), reference)
+    assert sum(ignoring.bytes_read.values()) > shard_bytes(shards)
+
+
+def test_a_segment_inside_a_shard_gives_its_records_from_a_file_http_or_a_pipe(shards, server):
+    """Records [5, 12) of a shard of 16: entered by the index (a file, HTTP) or read and dropped
+    (a ``pipe:`` command, which has no file to index) — the same records, whatever the source."""
+    name = "shard-000002.tar"
+    urls = [str(shards / name), f"{server.url}/shapes/{name}", f"pipe:cat {shards / name}"]
+    keys = [[r["__key__"] for r in read_segments([Segment(url, 5, 12, count=16)])] for url in urls]
+    assert keys[0] == keys[1] == keys[2] == [f"{n:09d}" for n in range(37, 44)]

@@ -63,7 +63,14 @@ def test_failed_write_keeps_the_old_set_and_resumes(tmp_path, shards):
     assert (directory / "manifest.json").read_text() == before
     partial = tmp_path / "shards.partial"
     left = sorted(p.name for p in partial.iterdir())
-    assert left == ["journal.json", "shard-000000.tar", "shard-000001.tar", "shard-000002.tar.tmp"]
+    assert left == [
+        "journal.json",
+        "shard-000000.tar",
+        "shard-000000.tar.idx",
+        "shard-000001.tar",
+        "shard-000001.tar.idx",
+        "shard-000002.tar.tmp",
+    ]
     # The rerun continues from the journal (2 finished shards) and ends with the same bytes.
     source = "synthetic://shapes?n=40&seed=3"
     manifest = write_shards(SyntheticShapes(n=40, seed=3), directory, source=source, samples_per_shard=16)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipkit.data.remote import Patience, ShardUnavailable, redact
-from clipkit.data.tar_stream import Meter, ignore, seekable, tar_records
+from clipkit.data.tar_stream import Meter, ignore, tar_records
 from clipkit.errors import DataError
 
 
@@ -183,10 +183,13 @@ def read_segments(
     for segment in segments:
         if segment.url in getattr(faults, "failed", ()):
             continue  # failed earlier this epoch: counted once, not fetched again
-        # A local tar is entered at the segment's first member (its headers before are read, not
-        # its members): the segments of a shard split between lanes share no bytes.
-        skip = segment.start if holdout <= 0 and seekable(segment.url) else 0
-        records = tar_records(segment.url, policy.patience, meter, skip)
+        # A tar is entered at the segment's first record and left at its last (by the shard's
+        # index, or a local tar's headers): the segments of a shard split between lanes share no
+        # bytes. Under a holdout the positions count kept samples only: read from the start.
+        enter = holdout <= 0
+        skip = segment.start if enter else 0
+        bound = segment.stop if enter and not segment.ends_shard else None
+        records = tar_records(segment.url, policy.patience, meter, skip, bound)
         kept = (r for r in records if not record_held_out(r, holdout)) if holdout > 0 else records
         position = segment.start
         try:

@@ -198,22 +198,46 @@ def fsspec_filesystem(url: str):
         raise ClipkitError(f"{redact(url)}: no installed package reads {scheme}:// URLs") from None
 
 
-def open_shard(url: str, patience: Patience = Patience()):
-    """A binary stream of the shard at ``url`` (close it when done); ShardUnavailable when it
-    cannot be opened after the retries."""
+def open_shard(url: str, patience: Patience = Patience(), start: int = 0, end: int | None = None):
+    """A binary stream of the shard at ``url`` from byte ``start`` (close it when done);
+    ShardUnavailable when it cannot be opened after the retries. ``end``: the byte it need not
+    read past — HTTP asks for no more (a ``Range``); other streams are read up to it by the caller.
+    A ``pipe:`` command starts at 0; a server that ignores ``Range`` raises :class:`RangeIgnored`."""
     scheme = scheme_of(url)
+    if scheme == "pipe" and (start or end is not None):
+        raise ValueError(f"a pipe: command is read from its start: {redact(url)}")
     if scheme == "":
         try:
-            return open(url, "rb")  # noqa: SIM115 - the caller closes it
+            stream = open(url, "rb")  # noqa: SIM115 - the caller closes it
+            stream.seek(start)
+            return stream
         except OSError as error:
             raise ShardUnavailable(url, "unreachable", str(error)) from error
     if scheme == "file":
-        return open_shard(urlsplit(url).path, patience)
+        return open_shard(urlsplit(url).path, patience, start, end)
     if scheme == "pipe":
         return PipeReader(url[len("pipe:") :], patience.timeout)
     if scheme in HTTP_SCHEMES:
-        return HttpReader(url, patience)
-    return open_fsspec(url, patience)
+        return HttpReader(url, patience, start, end)
+    # A window with an end is fetched as asked (no read-ahead past it): a block cache would fetch
+    # the next lane's bytes too.
+    stream = open_fsspec(url, patience, cache_type="none" if end is not None else None)
+    stream.seek(start)
+    return stream
+
+
+def stream_size(stream) -> int | None:
+    """The whole file's bytes behind a stream :func:`open_shard` gave, where it says (a local file,
+    an fsspec file, an HTTP response with a length); None otherwise."""
+    if isinstance(stream, HttpReader):
+        return stream.total
+    size = getattr(stream, "size", None)  # fsspec
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(stream.fileno()).st_size
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None
 
 
 def read_small(url: str, patience: Patience = Patience()) -> bytes | None:
@@ -257,13 +281,20 @@ def storage_options(url: str, patience: Patience) -> dict:
     return {}
 
 
-def open_fsspec(url: str, patience: Patience):
+#: fsspec's block size for shards (one request per block), and the read size of a window fetched
+#: without a cache (:func:`clipkit.data.tar_stream.window_records`).
+FSSPEC_BLOCK = 8 << 20
+
+
+def open_fsspec(url: str, patience: Patience, cache_type: str | None = None):
+    """The object at ``url`` opened with fsspec (``cache_type``: the backend's default when None)."""
     filesystem = fsspec_filesystem(url)
+    cache = {} if cache_type is None else {"cache_type": cache_type}
     last: Exception | None = None
     for attempt in range(patience.retries + 1):
         try:
             fs = filesystem(**storage_options(url, patience))
-            return fs.open(url, "rb", block_size=8 << 20)
+            return fs.open(url, "rb", block_size=FSSPEC_BLOCK, **cache)
         except FileNotFoundError as error:
             raise ShardUnavailable(url, "missing", "no such object") from error
         except PermissionError as error:
@@ -275,13 +306,21 @@ def open_fsspec(url: str, patience: Patience):
     raise ShardUnavailable(url, "unreachable", f"{type(last).__name__}: {last}")
 
 
+class RangeIgnored(ShardUnavailable):
+    """The first request for part of a body was not answered with that part (the server ignores
+    ``Range``, or the range lies past the end): the caller may read the whole body instead."""
+
+
 class HttpReader(io.RawIOBase):
     """An HTTP(S) body as a stream: retried on transient failures, continued with ``Range`` after
-    a break mid-way, every socket operation under ``patience.timeout``."""
+    a break mid-way, every socket operation under ``patience.timeout``. ``start`` / ``end``: only
+    bytes [start, end) of the body (``end`` None: to its end), asked for with ``Range``."""
 
-    def __init__(self, url: str, patience: Patience) -> None:
+    def __init__(self, url: str, patience: Patience, start: int = 0, end: int | None = None) -> None:
         self.url, self.patience = url, patience
-        self.offset, self.failures = 0, 0
+        self.start, self.end = start, end
+        self.offset, self.failures = start, 0
+        self.total: int | None = None  # the whole body's bytes, when the response says
         self.response = self.connect()
 
     def readable(self) -> bool:
@@ -289,8 +328,8 @@ class HttpReader(io.RawIOBase):
 
     def request(self) -> urllib.request.Request:
         headers = {"User-Agent": f"clipkit/{__version__}"}
-        if self.offset:
-            headers["Range"] = f"bytes={self.offset}-"
+        if self.ranged:
+            headers["Range"] = f"bytes={self.offset}-{'' if self.end is None else self.end - 1}"
         try:
             request = urllib.request.Request(self.url, headers=headers)
         except ValueError as error:  # unparseable (validate refuses these; a plugin may not)
@@ -298,18 +337,27 @@ class HttpReader(io.RawIOBase):
         authorize(request)
         return request
 
+    @property
+    def ranged(self) -> bool:
+        return bool(self.offset) or self.end is not None
+
     def connect(self):
         while True:
             try:
                 response = OPENER.open(self.request(), timeout=self.patience.timeout)
-                if self.offset and response.status != 206:
+                if self.ranged and response.status != 206:
                     response.close()  # the server ignores Range: the rest cannot be fetched alone
+                    if self.offset == self.start:
+                        raise RangeIgnored(self.url, "broken_stream", "the server ignores Range")
                     raise ShardUnavailable(
                         self.url, "broken_stream", "the connection broke and the server ignores Range"
                     )
+                self.total = body_size(response)
                 return response
             except urllib.error.HTTPError as error:
                 reason = f"http_{error.code}"
+                if error.code == 416 and self.offset == self.start:  # the range starts past the end
+                    raise RangeIgnored(self.url, reason, f"HTTP 416 {error.reason}") from None
                 if error.code not in TRANSIENT_HTTP:
                     raise ShardUnavailable(self.url, reason, f"HTTP {error.code} {error.reason}") from None
                 self.wait(reason, f"HTTP {error.code}")
@@ -350,6 +398,16 @@ class HttpReader(io.RawIOBase):
         if not self.closed:
             self.response.close()
         super().close()
+
+
+def body_size(response) -> int | None:
+    """The whole body's bytes: a ``Content-Range`` total (``bytes 0-99/1234``), else the length of a
+    whole (200) response; None when the response does not say."""
+    content_range = response.headers.get("Content-Range", "")
+    total = content_range.rpartition("/")[2]
+    if total.isdigit():
+        return int(total)
+    return response.length if response.status == 200 else None
 
 
 def timeout_or_unreachable(error: BaseException) -> str:

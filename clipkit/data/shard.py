@@ -158,7 +158,8 @@ def verify_shards(directory: Path | str) -> dict[str, Any]:
 
     Problems found: a missing, unlisted or altered shard (sha256), a per-shard sample count
     that differs from the manifest, a sample whose key and ``json`` index disagree or lacks an
-    image, and global indices that are not exactly [0, n) once each. Reads every tar but
+    image, global indices that are not exactly [0, n) once each, and a shard index
+    (``.tar.idx``) that does not match its tar. Reads every tar but
     decodes no image (the checksums cover the bytes).
     """
     import tarfile
@@ -189,6 +190,7 @@ def verify_shards(directory: Path | str) -> dict[str, Any]:
             problems.append(f"{shard['name']}: {len(records)} samples, the manifest says {expected}")
         for key, record in records.items():
             problems.extend(check_record(shard["name"], key, record, seen))
+        problems.extend(check_index(path))
     n = int(manifest["n"])
     missing = [index for index in range(n) if index not in seen]
     if missing:
@@ -197,6 +199,30 @@ def verify_shards(directory: Path | str) -> dict[str, Any]:
     if outside:
         problems.append(f"{len(outside)} global indices outside [0, {n}), e.g. {outside[:5]}")
     return {"n": n, "shards": len(manifest["shards"]), "problems": problems}
+
+
+def check_index(path: Path) -> list[str]:
+    """The index beside the shard at ``path`` (:mod:`clipkit.data.tar_index`) must list its
+    records' keys and offsets and its size; a set written before indexes has none (no problem)."""
+    import tarfile
+
+    from clipkit.data.tar_index import index_path, parse_index
+
+    where = index_path(path)
+    if not where.is_file():
+        return []
+    index = parse_index(where.read_bytes())
+    if index is None:
+        return [f"{where.name}: not a readable clipkit tar index (the loader does not use it)"]
+    firsts: dict[str, int] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            firsts.setdefault(member.name.partition(".")[0], member.offset)
+    if (list(index.keys), list(index.offsets), index.size) != (
+        list(firsts), list(firsts.values()), path.stat().st_size
+    ):  # fmt: skip
+        return [f"{where.name}: does not match {path.name} (the loader reads that tar from its start)"]
+    return []
 
 
 def shard_records(tar) -> dict[str, dict[str, bytes]]:

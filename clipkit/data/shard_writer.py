@@ -16,6 +16,11 @@ uninterrupted one. When the source is exhausted, ``manifest.json`` is written (t
 ``OUT.partial`` is renamed to ``OUT`` (an existing ``OUT`` is swapped out only then), then the journal
 is removed; a run killed between these steps is finished by the next one without re-reading the source.
 
+Beside each shard, ``shard-NNNNNN.tar.idx`` gives every record's byte offset
+(:mod:`clipkit.data.tar_index`): written durably before the shard is renamed into place, so a
+finished shard has its index; a loader lane that starts or ends inside a shard reads its own bytes
+only with it (also over HTTP and fsspec).
+
 Each sample is stored under key = its global index (zero-padded, 9 digits) with fields
 ``<image_ext>`` (the image bytes as given), ``txt`` (the first caption, when there is one) and
 ``json`` (``{"index", "key", "captions", "meta"}``), plus the extra members of an annotated sample
@@ -46,6 +51,7 @@ from clipkit.artifacts.io import (
 from clipkit.contract.types import Sample
 from clipkit.data.shard import MANIFEST, SHARD_PATTERN, build_manifest, open_source, read_manifest, sha256
 from clipkit.data.shard_lock import output_lock
+from clipkit.data.tar_index import index_path, write_index
 from clipkit.errors import ClipkitError, DataError
 
 JOURNAL = "journal.json"
@@ -56,8 +62,9 @@ MEMBER_MTIME = 0
 #: A finished shard set (``OUT``) and an interrupted one (``OUT.partial``): the files clipkit writes
 #: there. A directory holding anything else is refused unless ``overwrite`` (see
 #: :func:`clipkit.artifacts.io.claim_output_directory`).
-SHARD_OUTPUT = OutputKind("shard set", ("shard-*.tar", MANIFEST, JOURNAL), marker=MANIFEST)
-PARTIAL_OUTPUT = OutputKind("shard set", ("shard-*.tar", "shard-*.tar.tmp", MANIFEST, JOURNAL))
+SHARD_FILES = ("shard-*.tar", "shard-*.tar.idx", MANIFEST, JOURNAL)
+SHARD_OUTPUT = OutputKind("shard set", SHARD_FILES, marker=MANIFEST)
+PARTIAL_OUTPUT = OutputKind("shard set", (*SHARD_FILES, "shard-*.tar.tmp", "shard-*.tar.idx.tmp"))
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -255,6 +262,7 @@ class ResumableWriter:
         self.shards, self.state = list(journal["shards"]), dict(journal.get("state") or {})
         self.fields = set(journal.get("fields") or [])
         listed = {shard["name"] for shard in self.shards} | {JOURNAL}
+        listed |= {index_path(Path(name)).name for name in listed}
         for leftover in self.partial.iterdir():
             if leftover.name not in listed:
                 leftover.unlink()  # an unfinished .tmp, or a shard renamed just before a crash
@@ -414,6 +422,8 @@ class OpenShard:
         self.writer = wds.TarWriter(self.stream, mtime=MEMBER_MTIME)
         self.count = 0
         self.fields: set[str] = set()
+        self.keys: list[str] = []  # per record: its key and where its first header starts (the index)
+        self.offsets: list[int] = []
 
     @property
     def size(self) -> int:
@@ -422,11 +432,14 @@ class OpenShard:
         return self.writer.tarstream.offset
 
     def write(self, record: dict[str, Any], sample: Sample) -> None:
+        offset = self.size
         try:
             self.writer.write(record)
         except (TypeError, ValueError) as error:  # e.g. meta-data json cannot encode
             raise DataError(f"sample {sample.key!r} cannot be written: {error}") from error
         self.fields.update(key for key in record if not key.startswith("__"))
+        self.keys.append(record["__key__"])
+        self.offsets.append(offset)
         self.count += 1
 
     def abandon(self) -> None:
@@ -442,6 +455,7 @@ class OpenShard:
         self.stream.flush()
         os.fsync(self.stream.fileno())
         self.stream.close()
+        write_index(self.path, self.keys, self.offsets, self.temporary.stat().st_size)
         os.replace(self.temporary, self.path)
         fsync_directory(self.path.parent)
         return self.path

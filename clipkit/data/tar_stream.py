@@ -16,20 +16,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import itertools
 import re
 import tarfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from clipkit.data.remote import (
+    FSSPEC_BLOCK,
     OPENING,
     TRANSPORT_ERRORS,
     Patience,
+    RangeIgnored,
     ShardUnavailable,
     open_shard,
     scheme_of,
+    stream_size,
     transport_fault,
 )
+from clipkit.data.tar_index import load_index
 
 MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
 READ_BUFFER = 1 << 20
@@ -62,18 +68,28 @@ class Traffic:
 
 class CountedSource(io.RawIOBase):
     """A readable stream whose bytes are counted as ``fetched`` as they come in; for an fsspec
-    file, the bytes its block cache asked the store for (read-ahead included)."""
+    file, the bytes its block cache asked the store for (read-ahead included). ``limit``: the
+    bytes it gives at most (a window of the file), None: to its end."""
 
-    def __init__(self, inner, meter: Meter) -> None:
-        self.inner, self.meter, self.requested = inner, meter, 0
+    def __init__(self, inner, meter: Meter, limit: int | None = None) -> None:
+        self.inner, self.meter, self.requested, self.left = inner, meter, 0, limit
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        if self.left is not None:
+            if self.left <= 0:
+                return 0
+            buffer = memoryview(buffer)[: self.left]
         count = self.inner.readinto(buffer)
-        requested = getattr(getattr(self.inner, "cache", None), "total_requested_bytes", None)
-        if isinstance(requested, int):
+        if self.left is not None:
+            self.left -= count or 0
+        cache = getattr(self.inner, "cache", None)
+        requested = getattr(cache, "total_requested_bytes", None)
+        if (
+            isinstance(requested, int) and getattr(cache, "name", "none") != "none"
+        ):  # "none" fetches what is read
             self.meter("fetched", requested - self.requested)
             self.requested = requested
         else:
@@ -111,16 +127,63 @@ def ignore(kind: str, count: int) -> None:
 
 
 def seekable(url: str) -> bool:
-    """A local file: a segment starting mid-shard seeks to its first member instead of reading
-    the members before it."""
+    """A local file: a segment starting mid-shard without an index finds its first member by
+    reading the headers before it (:func:`member_offset`)."""
     return scheme_of(url) == ""
 
 
+@dataclass(frozen=True)
+class Window:
+    """The bytes [start, end) of a tar to read (``end`` None: to its end) and ``keys``, the keys of
+    the records expected there in order, as far as known (each is checked); ``drop``: records to
+    read and drop first (where no offset is known); ``size``: the tar's bytes the offsets were
+    taken from; ``records``: how many it holds when ``end`` is set."""
+
+    start: int = 0
+    end: int | None = None
+    keys: tuple[str, ...] = ()
+    drop: int = 0
+    size: int | None = None
+    records: int | None = None
+
+    @property
+    def located(self) -> bool:
+        """Entered or left mid-tar by offsets (a shortcut that is checked as it is read)."""
+        return self.start > 0 or self.end is not None
+
+    def expects(self, position: int, key: str) -> bool:
+        return position >= len(self.keys) or self.keys[position] == key
+
+
+def locate(url: str, skip: int, stop: int | None, patience: Patience, meter: Meter) -> Window | None:
+    """Where records [skip, stop) of the tar at ``url`` lie: from its index
+    (:mod:`clipkit.data.tar_index`) when it has one, else, for a local tar, from its headers
+    (the start only); else the records before ``skip`` are read and dropped. None: a local tar
+    with fewer records than ``skip`` (nothing to give)."""
+    if skip == 0 and stop is None:
+        return Window()
+    index = load_index(url, patience, meter) if scheme_of(url) != "pipe" else None
+    if index is not None and skip < len(index):
+        bounded = stop is not None and stop < len(index)
+        end, records = (index.offsets[stop], stop - skip) if bounded else (None, None)
+        return Window(index.offsets[skip], end, index.keys[skip:], size=index.size, records=records)
+    if skip and seekable(url):
+        return member_offset(url, skip, meter)
+    return Window(drop=skip)
+
+
 def tar_records(
-    url: str, patience: Patience = Patience(), meter: Meter = ignore, skip: int = 0
+    url: str, patience: Patience = Patience(), meter: Meter = ignore, skip: int = 0, stop: int | None = None
 ) -> Iterator[dict[str, Any]]:
-    """The records of the tar at ``url``, in tar order (close the generator to stop early), from
-    its ``skip``-th on (only for a :func:`seekable` one); ``meter`` counts the bytes fetched and read.
+    """The records [skip, stop) of the tar at ``url`` (``stop`` None: to its end), in tar order
+    (close the generator to stop early); ``meter`` counts the bytes fetched and read. Only the
+    records' own bytes are read where :func:`locate` knows where they lie; with ``stop``, the
+    caller takes at most stop - skip records.
+
+    Offsets are a shortcut, checked as the records come: where the tar does not match its index
+    (another size, a record with another key, a window that breaks off or holds too few records)
+    or the server ignores ``Range``, the tar is read again from its start and the records already
+    given are dropped — so a stale index costs bytes, never samples.
 
     Every failure — opening, the transport (any of :data:`~clipkit.data.remote.TRANSPORT_ERRORS`),
     the archive itself, a ``pipe:`` command's exit status — is a ShardUnavailable. A tar read to
@@ -128,20 +191,53 @@ def tar_records(
     HTTP body's true length) is always checked, also after a complete archive, and the whole file
     is counted."""
     try:
-        offset = member_offset(url, skip, meter) if skip else 0
-        raw = open_shard(url, patience)
+        window = locate(url, skip, stop, patience, meter)
     except TRANSPORT_ERRORS as error:
         raise transport_fault(url, error, OPENING) from None
-    if offset is None:  # fewer records than skip: nothing to give (the caller counts it short)
-        raw.close()
+    if window is None:
         return
-    if offset:
-        raw.seek(offset)
+    given = 0
+    if window.located:
+        records = window_records(url, patience, meter, window)
+        try:
+            for record in records:
+                if not window.expects(given, record["__key__"]):
+                    break  # another record than the index says: the index is stale
+                given += 1
+                yield record
+            else:
+                if window.records is None or given >= window.records:
+                    return  # the window held what was located there
+        except ShardUnavailable as error:
+            if not isinstance(error, RangeIgnored) and error.reason != "corrupt_tar":
+                raise  # the transport failed: not the index's doing
+        finally:
+            records.close()
+        window = Window(drop=skip + given)  # read from the start; what was given is dropped
+    records = window_records(url, patience, meter, window)
+    try:
+        yield from itertools.islice(records, window.drop, None)
+    finally:
+        records.close()
+
+
+def window_records(url: str, patience: Patience, meter: Meter, window: Window) -> Iterator[dict[str, Any]]:
+    """The records in ``window`` of the tar at ``url`` (see :func:`tar_records`)."""
+    try:
+        raw = open_shard(url, patience, window.start, window.end)
+    except TRANSPORT_ERRORS as error:
+        raise transport_fault(url, error, OPENING) from None
+    if window.size is not None and stream_size(raw) not in (None, window.size):
+        raw.close()  # the tar changed since its index was written: nothing located is valid
+        raise RangeIgnored(url, "corrupt_tar", "the tar does not match its index")
     # fsspec backends raise their own types mid-read (botocore, aiohttp): all are transport faults.
     faults = (Exception,) if hasattr(raw, "fs") else TRANSPORT_ERRORS
-    stream = CountedReader(io.BufferedReader(CountedSource(raw, meter), READ_BUFFER), meter)
+    limit = None if window.end is None else window.end - window.start
+    # An fsspec window without a cache: each buffer fill is one request, so fill a block at a time.
+    buffer = FSSPEC_BLOCK if hasattr(raw, "fs") and window.end is not None else READ_BUFFER
+    stream = CountedReader(io.BufferedReader(CountedSource(raw, meter, limit), buffer), meter)
     try:
-        yield from group_members(url, stream)
+        yield from group_members(url, stream, bounded=window.end is not None)
         stream.drain()  # only reached once the tar's last record is taken: count the whole file
     except ShardUnavailable:
         raise
@@ -156,13 +252,14 @@ def tar_records(
             stream.close()
 
 
-def group_members(url: str, stream) -> Iterator[dict[str, Any]]:
+def group_members(url: str, stream, bounded: bool = False) -> Iterator[dict[str, Any]]:
     """The records of the tar ``stream``; a ShardUnavailable (``corrupt_tar``) after the last whole
     record when the archive breaks off where a member header should be.
 
     tarfile ends an archive silently at a missing or partial header (only at offset 0 is it an
     error), so a shard cut at or inside a member header would read as a shorter, valid one: here
-    the block read where the next header was expected must be whole (tar's end-of-archive block)."""
+    the block read where the next header was expected must be whole (tar's end-of-archive block).
+    A ``bounded`` stream (a window ending at a record's first header) may end just there."""
     record: dict[str, Any] = {}
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -179,7 +276,7 @@ def group_members(url: str, stream) -> Iterator[dict[str, Any]]:
         ending = tar.fileobj.pos - tar.offset  # bytes of the block where a header was expected
     if record:
         yield record
-    if ending < tarfile.BLOCKSIZE:
+    if ending < tarfile.BLOCKSIZE and not (bounded and ending == 0):
         raise ShardUnavailable(
             url,
             "corrupt_tar",
@@ -206,10 +303,10 @@ class CountedFile:
         return self.inner.tell()
 
 
-def member_offset(url: str, record: int, meter: Meter) -> int | None:
-    """Byte offset of the first member (its first header block) of the ``record``-th record of
-    the local tar at ``url``, found by reading the headers only (tarfile seeks over the data);
-    None when the tar has fewer records."""
+def member_offset(url: str, record: int, meter: Meter) -> Window | None:
+    """Where the ``record``-th record of the local tar at ``url`` starts (its first header block),
+    found by reading the headers only (tarfile seeks over the data); None when the tar has fewer
+    records."""
     try:
         with open(url, "rb") as raw, tarfile.open(fileobj=CountedFile(raw, meter), mode="r:") as tar:
             key, seen = None, -1
@@ -219,7 +316,7 @@ def member_offset(url: str, record: int, meter: Meter) -> int | None:
                     continue
                 key, seen = match.group(1), seen + 1
                 if seen == record:
-                    return member.offset
+                    return Window(member.offset, keys=(key,))
     except OSError as error:
         raise ShardUnavailable(url, "unreachable", str(error)) from error
     except (tarfile.TarError, EOFError, ValueError) as error:
