@@ -52,8 +52,12 @@ def run(command: list[str], cwd: Path, timeout: int = 600, **extra_env: str) -> 
 
 
 def succeeded(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``done``, asserted to have exited 0; else the end of its stdout and of each process's stderr
+    (one rank's traceback must not cut off the other's cause)."""
     command = " ".join(map(str, done.args))
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    ranks = getattr(done, "rank_errors", None) or [done.stderr]
+    errors = "\n".join(f"--- process {r} stderr (end) ---\n{text[-4000:]}" for r, text in enumerate(ranks))
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{errors}"
     return done
 
 

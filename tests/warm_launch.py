@@ -255,8 +255,15 @@ class WarmLaunch:
 
     def output(self) -> tuple[str, str]:
         """(stdout, stderr) of all processes, rank 0 first."""
-        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
-        return "".join(read(o) for o, _ in self._files), "".join(read(e) for _, e in self._files)
+        return "".join(_read(o) for o, _ in self._files), "".join(self.rank_errors())
+
+    def rank_errors(self) -> list[str]:
+        """Each process's stderr, rank 0 first (a failure shows each one's end)."""
+        return [_read(e) for _, e in self._files]
+
+
+def _read(path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 class _suppress:
@@ -280,9 +287,11 @@ def run(
         launch.wait()
         raise
     stdout, stderr = launch.output()
+    rank_errors = launch.rank_errors()
     shutil.rmtree(launch.logs, ignore_errors=True)
     label = ["clipkit", *map(str, argv)] if script is None else [str(script), *map(str, argv)]
     done = subprocess.CompletedProcess(label, code, stdout, stderr)
+    done.rank_errors = rank_errors
     if check and code != 0:
         raise subprocess.CalledProcessError(code, label, stdout, stderr)
     return done
