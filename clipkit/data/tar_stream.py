@@ -85,11 +85,11 @@ class CountedSource(io.RawIOBase):
         count = self.inner.readinto(buffer)
         if self.left is not None:
             self.left -= count or 0
+        # A block cache counts what it asked the store for; without one ("none"), what is read was
+        # fetched.
         cache = getattr(self.inner, "cache", None)
         requested = getattr(cache, "total_requested_bytes", None)
-        if (
-            isinstance(requested, int) and getattr(cache, "name", "none") != "none"
-        ):  # "none" fetches what is read
+        if isinstance(requested, int) and getattr(cache, "name", "none") != "none":
             self.meter("fetched", requested - self.requested)
             self.requested = requested
         else:
