@@ -157,6 +157,14 @@ def shard_split(
     return manifests
 
 
+def index_shards(directory: Path) -> list[Path]:
+    """Write the record index beside every ``.tar`` in ``directory`` (:mod:`clipkit.data.tar_index`);
+    the index files written."""
+    from clipkit.data.tar_index import index_directory
+
+    return index_directory(Path(directory))
+
+
 def verify(directory: Path) -> dict:
     """Check a shard set against its manifest: ``{"n", "shards", "problems"}`` (empty = intact)."""
     from clipkit.data.shard import verify_shards

@@ -114,7 +114,7 @@ def shard_command(
     source: Annotated[
         str,
         typer.Argument(
-            help="Source URI or path, e.g. captions.jsonl (or, with --verify, the shard directory)"
+            help="Source URI or path, e.g. captions.jsonl (or, with --verify or --index, the shard directory)"
         ),
     ],
     out: Annotated[Path, typer.Argument(help="Output directory for shard-*.tar + manifest.json")] = None,
@@ -127,6 +127,14 @@ def shard_command(
         bool, typer.Option(help="Stop at the first bad row, naming it, instead of skipping and counting it")
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check a shard directory against its manifest")] = False,
+    index: Annotated[
+        bool,
+        typer.Option(
+            help="Write the record index (NAME.tar.idx) beside every .tar in a directory (shards "
+            "another tool or an older clipkit wrote): loader lanes then read only "
+            "their own bytes, also over HTTP and S3 (upload the .idx files beside the tars)"
+        ),
+    ] = False,
     split: Annotated[
         str,
         typer.Option(
@@ -168,6 +176,10 @@ def shard_command(
 
     if verify:
         verify_command(out or Path(source))
+        return
+    if index:
+        written = api.index_shards(out or Path(source))
+        typer.echo(f"wrote {len(written)} index(es) beside the tars in {out or source}")
         return
     if out is None:
         raise typer.BadParameter("missing OUT (the directory to write)")

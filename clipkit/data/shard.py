@@ -204,9 +204,7 @@ def verify_shards(directory: Path | str) -> dict[str, Any]:
 def check_index(path: Path) -> list[str]:
     """The index beside the shard at ``path`` (:mod:`clipkit.data.tar_index`) must list its
     records' keys and offsets and its size; a set written before indexes has none (no problem)."""
-    import tarfile
-
-    from clipkit.data.tar_index import index_path, parse_index
+    from clipkit.data.tar_index import index_path, index_tar, parse_index
 
     where = index_path(path)
     if not where.is_file():
@@ -214,13 +212,7 @@ def check_index(path: Path) -> list[str]:
     index = parse_index(where.read_bytes())
     if index is None:
         return [f"{where.name}: not a readable clipkit tar index (the loader does not use it)"]
-    firsts: dict[str, int] = {}
-    with tarfile.open(path) as tar:
-        for member in tar:
-            firsts.setdefault(member.name.partition(".")[0], member.offset)
-    if (list(index.keys), list(index.offsets), index.size) != (
-        list(firsts), list(firsts.values()), path.stat().st_size
-    ):  # fmt: skip
+    if index != index_tar(path):
         return [f"{where.name}: does not match {path.name} (the loader reads that tar from its start)"]
     return []
 

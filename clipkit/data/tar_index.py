@@ -17,12 +17,18 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
+import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from clipkit.data.remote import Patience, ShardUnavailable, read_small, scheme_of
 
+#: A tar member's name -> (key, field): the key is the path up to the first dot of the file name,
+#: as WebDataset groups members into records (``webdataset.tariterators.base_plus_ext``).
+MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 INDEX_FORMAT = "clipkit-tar-index/1"
 INDEX_SUFFIX = ".idx"
 #: Indexes kept per process: a lane enters at most a few shards mid-way per epoch.
@@ -57,6 +63,46 @@ def index_url(url: str) -> str | None:
         return url + INDEX_SUFFIX
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path=parts.path + INDEX_SUFFIX))
+
+
+def record_starts(tar: tarfile.TarFile) -> Iterator[tuple[str, int]]:
+    """(key, offset of its first header block) of each record of ``tar`` (opened ``"r:"``: tarfile
+    seeks over the members' data, so only headers are read), grouped as the loader groups them:
+    consecutive file members sharing a key."""
+    key = None
+    while (member := tar.next()) is not None:
+        match = MEMBER_NAME.match(member.name)
+        if not member.isfile() or match is None or match.group(1) == key:
+            continue
+        key = match.group(1)
+        yield key, member.offset
+
+
+def index_tar(path: Path) -> TarIndex:
+    """The index of the local tar at ``path``, from its headers."""
+    with tarfile.open(path, mode="r:") as tar:
+        starts = list(record_starts(tar))
+    return TarIndex(tuple(k for k, _ in starts), tuple(o for _, o in starts), path.stat().st_size)
+
+
+def index_directory(directory: Path) -> list[Path]:
+    """Write the index beside every ``.tar`` in ``directory`` (shards another tool, or a clipkit
+    before indexes, wrote); the indexes written. A tar that cannot be read is a DataError naming it
+    (the indexes of the others are kept: each is written whole or not at all)."""
+    from clipkit.errors import DataError
+
+    tars = sorted(path for path in Path(directory).glob("*.tar") if path.is_file())
+    if not tars:
+        raise DataError(f"{directory}: no .tar files to index")
+    written = []
+    for tar in tars:
+        try:
+            index = index_tar(tar)
+        except (tarfile.TarError, OSError, EOFError) as error:
+            why = f"{type(error).__name__}: {error}"
+            raise DataError(f"{tar}: not a readable tar ({why}); not indexed") from None
+        written.append(write_index(tar, list(index.keys), list(index.offsets), index.size))
+    return written
 
 
 def encode_index(keys: list[str], offsets: list[int], size: int) -> str:

@@ -17,7 +17,6 @@ import collections
 import contextlib
 import io
 import itertools
-import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,9 +34,8 @@ from clipkit.data.remote import (
     stream_size,
     transport_fault,
 )
-from clipkit.data.tar_index import load_index
+from clipkit.data.tar_index import MEMBER_NAME, load_index, record_starts
 
-MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
 READ_BUFFER = 1 << 20
 
 #: ``meter(kind, count)``: ``count`` more bytes of ``kind`` ("read" or "fetched").
@@ -309,14 +307,9 @@ def member_offset(url: str, record: int, meter: Meter) -> Window | None:
     records."""
     try:
         with open(url, "rb") as raw, tarfile.open(fileobj=CountedFile(raw, meter), mode="r:") as tar:
-            key, seen = None, -1
-            while (member := tar.next()) is not None:
-                match = MEMBER_NAME.match(member.name)
-                if not member.isfile() or match is None or match.group(1) == key:
-                    continue
-                key, seen = match.group(1), seen + 1
+            for seen, (key, offset) in enumerate(record_starts(tar)):
                 if seen == record:
-                    return Window(member.offset, keys=(key,))
+                    return Window(offset, keys=(key,))
     except OSError as error:
         raise ShardUnavailable(url, "unreachable", str(error)) from error
     except (tarfile.TarError, EOFError, ValueError) as error:
