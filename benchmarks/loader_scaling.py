@@ -16,7 +16,8 @@ to one worker of the same design and source, images/s (wall clock, which other j
 machine disturb) and the bytes read per epoch.
 
     python benchmarks/loader_scaling.py [--workers 1,2,4,8,16] [--rounds 3] [--rows 1024]
-        [--per-shard 32] [--batch-size 32] [--data SOURCE]
+        [--per-shard 32] [--batch-size 32] [--data SOURCE] [--shared-workers 1,16] [--without-index]
+        [--range-server]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +118,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024, help="a table's rows repeated to this many")
     parser.add_argument("--per-shard", type=int, default=32, help="samples per shard")
     parser.add_argument("--shared-workers", default="1,16", help="worker counts run with one lane too")
+    parser.add_argument(
+        "--without-index", action="store_true",
+        help="also read over HTTP a copy without the shards' record indexes (as older shard sets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--range-server", action="store_true",
+        help="serve HTTP with a server that answers Range (tests/stream_servers.py), as nginx and S3 "
+        "do; default: Python's http.server, which ignores it",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
@@ -127,10 +138,13 @@ def main() -> None:
         names = sorted(p.name for p in shards.glob("*.tar"))
         pattern = f"shard-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"
         port = free_port()
-        server = http_process(shards.parent, port)
+        server = http_process(shards.parent, port, answers_range=args.range_server)
         try:
             wait_for_port(port, server)
             sources = {"local": str(shards), "HTTP": f"http://127.0.0.1:{port}/shards/{pattern}"}
+            if args.without_index:  # the same tars, no .idx beside them: lanes read the records before
+                shutil.copytree(shards, shards.parent / "plain", ignore=shutil.ignore_patterns("*.idx"))
+                sources["HTTP, no index"] = f"http://127.0.0.1:{port}/plain/{pattern}"
             shared = [int(w) for w in args.shared_workers.split(",") if w]
             runs = [(s, w, "lanes") for s in sources for w in workers]
             runs += [(s, w, "shared (before)") for s in sources for w in shared]
@@ -155,12 +169,14 @@ def report(results, sources, size, args) -> None:
           f"samples in shards of {args.per_shard} ({size / 2**20:.1f} MiB), batch {args.batch_size}, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")  # fmt: skip
     columns = ["source", "workers", "design", "CPU ms/image, median (min–max)", "× 1 worker, per round",
-               "with start-up, ms/image", "img/s wall", "bytes read / data"]  # fmt: skip
+               "with start-up, ms/image", "img/s wall", "bytes read / data", "fetched / data"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(columns))
     for source in sources:
         for design in DESIGNS:
             counts = sorted(count for (s, count, d) in results if s == source and d == design)
+            if not counts:
+                continue
             base = [r["cpu"] / r["images"] for r in results[(source, counts[0], design)]]
             for count in counts:
                 rows = results[(source, count, design)]
@@ -169,10 +185,12 @@ def report(results, sources, size, args) -> None:
                 rate = statistics.median(r["images"] / r["wall"] for r in rows)
                 whole = statistics.median(1000 * r["cpu_all"] / r["images"] for r in rows)
                 read = statistics.median(r["read"] / size for r in rows)
+                fetched = statistics.median(r["fetched"] / size for r in rows)
                 print(
                     f"| {source} | {count} | {design} | {statistics.median(per_image):.2f} "
                     f"({min(per_image):.2f}–{max(per_image):.2f}) | {statistics.median(ratios):.2f} "
-                    f"({min(ratios):.2f}–{max(ratios):.2f}) | {whole:.2f} | {rate:.0f} | {read:.2f}× |"
+                    f"({min(ratios):.2f}–{max(ratios):.2f}) | {whole:.2f} | {rate:.0f} | {read:.2f}× "
+                    f"| {fetched:.2f}× |"
                 )
 
 

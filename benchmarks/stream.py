@@ -55,9 +55,17 @@ def make_shards(data: str, out: Path, rows: int, per_shard: int) -> Path:
     return out
 
 
-def http_process(root: Path, port: int):
-    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-    command += ["--directory", str(root)]
+def http_process(root: Path, port: int, answers_range: bool = False):
+    """A loopback HTTP server for ``root`` in its own process: Python's ``http.server`` (which
+    ignores ``Range``), or with ``answers_range`` tests/stream_servers.py's (which answers it)."""
+    if answers_range:
+        tests = Path(__file__).resolve().parents[1] / "tests"
+        code = f"import sys; sys.path.insert(0, {str(tests)!r}); import stream_servers as s; "
+        code += f"s.serve({str(root)!r}, {port})"
+        command = [sys.executable, "-c", code]
+    else:
+        command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        command += ["--directory", str(root)]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

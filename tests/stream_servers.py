@@ -3,6 +3,7 @@ server with misbehaving paths, and moto's standalone S3 server (skipped when mot
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.server
 import importlib.util
@@ -114,6 +115,17 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
             self.close_connection = True
             return
         self.wfile.write(body[start:end])
+
+
+def serve(root: Path, port: int) -> None:
+    """Serve ``root`` on 127.0.0.1:``port`` with :class:`ShardHandler` until killed (a server that
+    answers ``Range``, as nginx and object stores do, for benchmarks run in its own process)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), ShardHandler)
+    server.daemon_threads = True
+    server.root, server.requests, server.failed_once = str(root), collections.deque(maxlen=1000), set()
+    server.authorizations, server.ranges = collections.deque(maxlen=1000), collections.deque(maxlen=1000)
+    server.redirect_to, server.release = "", threading.Event()
+    server.serve_forever()
 
 
 @contextlib.contextmanager
