@@ -6,10 +6,13 @@ A loader lane that starts or ends inside a shard (:mod:`clipkit.data.epoch_plan`
 own byte range with it: a local file seeks, HTTP asks for a ``Range``, an fsspec file seeks — so
 a streamed epoch fetches each byte once even where lanes cut shards. Without an index (shards
 other tools wrote, ``pipe:`` commands) a lane reads the records before its first and drops
-them, as a tar stream must.
+them, as a tar stream must; ``clipkit shard DIR --index`` (:func:`index_directory`) writes the
+indexes for any directory of tars.
 
-An index is only a shortcut, never trusted for the data: a tar whose size differs from the
-index's, or whose record at the offset has another key, is read from its start instead.
+An index is only a shortcut, never trusted for the data
+(:func:`clipkit.data.tar_stream.tar_records`): a tar whose size differs from the index's, a record
+with another key than the index's, a window that breaks off or holds too few records, or a server
+that ignores ``Range``, and the tar is read from its start instead.
 """
 
 from __future__ import annotations
