@@ -368,6 +368,28 @@ def test_clipkit_shard_index_writes_the_indexes_another_tool_did_not(shards, ser
     assert refused.exit_code != 0 and "no .tar files to index" in refused.output
 
 
+@pytest.mark.parametrize("cut", ["inside a member", "at a header", "before the end blocks"])
+def test_index_refuses_a_tar_cut_short_naming_it(shards, tmp_path, cut):
+    """A tar cut short is not indexed (tarfile alone would end it silently where a header should
+    be): ``--index`` stops with the file's name, keeping the indexes written before it."""
+    from clipkit.errors import DataError
+
+    for tar in sorted(shards.glob("*.tar"))[:2]:
+        shutil.copy(tar, tmp_path / tar.name)
+    second = tmp_path / "shard-000001.tar"
+    index = parse_index(index_path(shards / second.name).read_bytes())
+    data = second.read_bytes()
+    members_end = -(-len(data.rstrip(b"\0")) // 512) * 512  # the last member's padded end
+    ends = {"inside a member": index.offsets[3] + 700, "at a header": index.offsets[3],
+            "before the end blocks": members_end}  # fmt: skip
+    end = ends[cut]
+    second.write_bytes(data[:end])
+    with pytest.raises(DataError, match="shard-000001.tar: not a readable tar"):
+        tar_index.index_directory(tmp_path)
+    assert index_path(tmp_path / "shard-000000.tar").is_file()
+    assert not index_path(second).exists()
+
+
 def test_the_index_of_a_foreign_tar_groups_records_as_the_loader_does(tmp_path):
     """A tar another tool wrote (directories in member names, a directory member, dots in folder
     names): its index enters each record exactly where the loader's own grouping starts it."""

@@ -204,6 +204,8 @@ def verify_shards(directory: Path | str) -> dict[str, Any]:
 def check_index(path: Path) -> list[str]:
     """The index beside the shard at ``path`` (:mod:`clipkit.data.tar_index`) must list its
     records' keys and offsets and its size; a set written before indexes has none (no problem)."""
+    import tarfile
+
     from clipkit.data.tar_index import index_path, index_tar, parse_index
 
     where = index_path(path)
@@ -212,7 +214,11 @@ def check_index(path: Path) -> list[str]:
     index = parse_index(where.read_bytes())
     if index is None:
         return [f"{where.name}: not a readable clipkit tar index (the loader does not use it)"]
-    if index != index_tar(path):
+    try:
+        actual = index_tar(path)
+    except (tarfile.TarError, OSError, EOFError) as error:
+        return [f"{path.name}: its index cannot be checked: not a whole tar ({error})"]
+    if index != actual:
         return [f"{where.name}: does not match {path.name} (the loader reads that tar from its start)"]
     return []
 

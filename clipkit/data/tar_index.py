@@ -82,10 +82,18 @@ def record_starts(tar: tarfile.TarFile) -> Iterator[tuple[str, int]]:
 
 
 def index_tar(path: Path) -> TarIndex:
-    """The index of the local tar at ``path``, from its headers."""
+    """The index of the local tar at ``path``, from its headers; ``tarfile.ReadError`` when the tar
+    is cut short (inside a member, or where a header or its end blocks should be: tarfile itself
+    would end such an archive silently, and the loader refuses it as truncated)."""
+    size = path.stat().st_size
     with tarfile.open(path, mode="r:") as tar:
         starts = list(record_starts(tar))
-    return TarIndex(tuple(k for k, _ in starts), tuple(o for _, o in starts), path.stat().st_size)
+        end = tar.offset  # where the end-of-archive block was read (past the file when cut)
+    if size - end < tarfile.BLOCKSIZE:
+        raise tarfile.ReadError(
+            f"truncated: it ends at byte {size}, where a member or its end blocks should be"
+        )
+    return TarIndex(tuple(k for k, _ in starts), tuple(o for _, o in starts), size)
 
 
 def index_directory(directory: Path) -> list[Path]:
@@ -94,6 +102,8 @@ def index_directory(directory: Path) -> list[Path]:
     (the indexes of the others are kept: each is written whole or not at all)."""
     from clipkit.errors import DataError
 
+    if not Path(directory).is_dir():
+        raise DataError(f"{directory}: not a directory (--index writes the indexes of the tars in one)")
     tars = sorted(path for path in Path(directory).glob("*.tar") if path.is_file())
     if not tars:
         raise DataError(f"{directory}: no .tar files to index")
