@@ -117,27 +117,29 @@ class ShardHandler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(body[start:end])
 
 
-def serve(root: Path, port: int) -> None:
-    """Serve ``root`` on 127.0.0.1:``port`` with :class:`ShardHandler` until killed (a server that
-    answers ``Range``, as nginx and object stores do, for benchmarks run in its own process)."""
+def make_server(root: Path, port: int = 0, log=list) -> http.server.ThreadingHTTPServer:
+    """A threaded :class:`ShardHandler` server for ``root`` on 127.0.0.1:``port`` (0: any free
+    port); ``log()`` makes each request log (``requests``, ``authorizations``, ``ranges``)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), ShardHandler)
     server.daemon_threads = True
-    server.root, server.requests, server.failed_once = str(root), collections.deque(maxlen=1000), set()
-    server.authorizations, server.ranges = collections.deque(maxlen=1000), collections.deque(maxlen=1000)
-    server.redirect_to, server.release = "", threading.Event()
-    server.serve_forever()
+    server.root, server.failed_once, server.redirect_to = str(root), set(), ""
+    server.requests, server.authorizations, server.ranges = log(), log(), log()
+    server.release = threading.Event()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server
+
+
+def serve(root: Path, port: int) -> None:
+    """Serve ``root`` on 127.0.0.1:``port`` until killed (a server that answers ``Range``, as nginx
+    and object stores do, for benchmarks run in its own process; bounded request logs)."""
+    make_server(root, port, log=lambda: collections.deque(maxlen=1000)).serve_forever()
 
 
 @contextlib.contextmanager
 def http_server(root: Path):
     """A threaded HTTP server on 127.0.0.1 serving ``root``; yields its base URL's server object
     (``.url``, ``.requests``, ``.release``)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ShardHandler)
-    server.daemon_threads = True
-    server.root, server.requests, server.failed_once = str(root), [], set()
-    server.authorizations, server.redirect_to, server.ranges = [], "", []
-    server.release = threading.Event()
-    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    server = make_server(root)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

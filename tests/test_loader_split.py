@@ -332,8 +332,8 @@ def test_without_indexes_a_local_lane_reads_headers_and_a_streamed_one_the_recor
     # per member as tarfile checks the end, and the lane before the cut may read into the next
     # 10 KiB tar record.
     allowed = 0
+    plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
     for name in cut_shards(local, 3):
-        plan = EpochPlan.build(local.shards, seed=5, epoch=0, rank=0, world_size=1, batch_size=8)
         starts = [s.start for lane in range(3) for s in plan.lane_segments(lane, 3, 8)
                   if s.start > 0 and s.url.endswith(str(name))]  # fmt: skip
         with tarfile.open(plain / name) as tar:
