@@ -79,12 +79,22 @@ def imported_names(module: str, path: Path, *, type_checking: bool = False) -> s
     return names
 
 
-IMPORTS = {module: imported_names(module, path) for module, path in MODULES.items()}
-ALL_IMPORTS = {module: imported_names(module, path, type_checking=True) for module, path in MODULES.items()}
+@functools.cache
+def run_time_imports() -> dict[str, set[str]]:
+    """Module -> what it imports when it runs (``TYPE_CHECKING`` blocks left out). Built on first
+    use, not at collection: every pytest worker collects this file, one runs it."""
+    return {module: imported_names(module, path) for module, path in MODULES.items()}
 
 
-def internal_edges(module: str, imports: dict[str, set[str]] = IMPORTS) -> set[str]:
+@functools.cache
+def all_imports() -> dict[str, set[str]]:
+    """Module -> everything it imports, ``TYPE_CHECKING`` blocks included."""
+    return {module: imported_names(module, path, type_checking=True) for module, path in MODULES.items()}
+
+
+def internal_edges(module: str, imports: dict[str, set[str]] | None = None) -> set[str]:
     """The clipkit modules ``module`` depends on (a package's __init__ counts for its name)."""
+    imports = run_time_imports() if imports is None else imports
     return {name for name in imports[module] if name in MODULES and name != module}
 
 
@@ -98,7 +108,7 @@ def test_the_source_was_read():
 def test_distributed_libraries_only_in_the_runtime(library):
     offenders = sorted(
         module
-        for module, names in IMPORTS.items()
+        for module, names in run_time_imports().items()
         if not (module == RUNTIME_PACKAGE or module.startswith(RUNTIME_PACKAGE + "."))
         and any(
             (name == library or name.startswith(library + ".")) and not name.startswith(NOT_DISTRIBUTED)
@@ -141,7 +151,7 @@ def test_the_closed_runtime_rule_can_fail(tmp_path):
 def test_plugins_do_not_import_the_cli_the_loop_or_the_runtime():
     forbidden = ("clipkit.app.cli", "clipkit.train")
     offenders = {
-        module: sorted(name for name in IMPORTS[module] if name.startswith(forbidden))
+        module: sorted(name for name in run_time_imports()[module] if name.startswith(forbidden))
         for module in MODULES
         if module.startswith("clipkit.plugins")
     }
@@ -151,7 +161,7 @@ def test_plugins_do_not_import_the_cli_the_loop_or_the_runtime():
 
 def test_core_does_not_import_plugins():
     offenders = {
-        module: sorted(name for name in IMPORTS[module] if name.startswith("clipkit.plugins"))
+        module: sorted(name for name in run_time_imports()[module] if name.startswith("clipkit.plugins"))
         for module in MODULES
         if not module.startswith("clipkit.plugins")
     }
@@ -205,7 +215,7 @@ def import_graph(imports: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_no_import_cycles_even_counting_type_checking_imports():
-    graph = import_graph(ALL_IMPORTS)
+    graph = import_graph(all_imports())
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
@@ -243,7 +253,7 @@ TRAINING = ("clipkit.train", "clipkit.artifacts.export")
 
 @pytest.mark.parametrize("reader", READERS)
 def test_readers_of_exports_do_not_import_training_code(reader):
-    graph = import_graph(ALL_IMPORTS)
+    graph = import_graph(all_imports())
     loaded = {name for name in reachable(reader, graph) if name.startswith(TRAINING)}
     loaded = {name for name in loaded if name == TRAINING[1] or name.startswith(TRAINING[0])}
     assert not loaded, f"{reader} imports training code: {sorted(loaded)}"

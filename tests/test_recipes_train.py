@@ -8,6 +8,7 @@ to the very recipe of another spec; such a spec is trained once, through its fir
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -33,8 +34,10 @@ OVERRIDES = ["data.batch_size=16", "train.steps=20", "train.log_every=1", "train
 DESCRIPTIVE = ("name", "overrides", "description", "notes", "paper")
 
 
+@functools.cache
 def training_content(spec: str) -> str:
-    """What ``spec`` trains (its resolved recipe without the descriptive keys), comparable as text."""
+    """What ``spec`` trains (its resolved recipe without the descriptive keys), comparable as text;
+    resolved once per spec (collection needs it for the parameters, a test compares it again)."""
     recipe = api.resolve(spec, [f"data.source={SOURCE}", *OVERRIDES], REGISTRY)
     return json.dumps({k: v for k, v in recipe.items() if k not in DESCRIPTIVE}, sort_keys=True)
 

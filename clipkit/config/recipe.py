@@ -100,14 +100,14 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
         raise RecipeError(base_name, ["variants: must be a mapping of variant name -> {key: value}"])
     config = OmegaConf.create(recipe)
     # Variants compose left to right: `wpse@imq+tiny` applies `imq`, then `tiny`.
+    interpolating = True  # whether config may hold a `${`: not known yet
     for name in variant.split("+") if variant else []:
         if name not in variants:
             raise UnknownNameError("variant", name, variants, where=f"recipe {base_name!r}")
         if not isinstance(variants[name], dict):
             raise RecipeError(base_name, [f"variants.{name}: must be a mapping of key -> value"])
         for key, value in variants[name].items():
-            check_interpolations(config, spec)
-            apply_override(config, key, value)
+            interpolating = guarded_override(config, key, value, spec, interpolating)
     apply_overrides(config, overrides, spec)
     if names_other_shards(overrides, spec):
         # The recipe's data.source says how to make *its* shards (the quickstart's synthetic
@@ -185,8 +185,10 @@ def resolve_interpolations(config, where: str) -> dict:
         raise RecipeError(where, [f"{key}: cannot resolve interpolation ({message})"]) from error
 
 
-def check_interpolations(config, where: str) -> None:
-    """Refuse resolvers and interpolations too large or deep to resolve, naming the key; resolves nothing.
+def check_interpolations(config, where: str) -> bool:
+    """Refuse resolvers and interpolations too large or deep to resolve, naming the key; resolves
+    nothing. Returns whether ``config`` holds any ``${`` at all (most recipes hold none: then
+    nothing more is walked).
 
     Each ``${key}`` of every value is followed once (memoised), adding up the characters and the
     references OmegaConf would produce and follow, so the check costs the size of the recipe.
@@ -194,10 +196,13 @@ def check_interpolations(config, where: str) -> None:
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(config, resolve=False)
+    if not mentions_interpolation(raw):
+        return False
     estimate = _Estimate(raw, where)
     for path in _leaf_paths(raw):
         estimate.origin = path
         estimate.cost(path, 0)
+    return True
 
 
 def _leaf_paths(node: Any, prefix: tuple = ()) -> list[tuple]:
@@ -356,10 +361,31 @@ def parse_value(text: str) -> Any:
 
 def apply_overrides(config, overrides, where: str) -> None:
     """Apply ``key=value`` strings in order (see :func:`apply_override`)."""
+    interpolating = True  # not known yet
     for item in overrides:
         key, value = parse_override(item, where)
-        check_interpolations(config, where)  # apply_override looks current values up (resolving them)
-        apply_override(config, key, value)
+        interpolating = guarded_override(config, key, value, where, interpolating)
+
+
+def guarded_override(config, key: str, value: Any, where: str, interpolating: bool) -> bool:
+    """:func:`apply_override` after :func:`check_interpolations` (it looks current values up,
+    resolving them); returns whether ``config`` may now hold an interpolation. A config known to
+    hold none (``interpolating`` False) is not checked again: a value without ``${`` adds none."""
+    if interpolating:
+        interpolating = check_interpolations(config, where)
+    apply_override(config, key, value)
+    return interpolating or mentions_interpolation(value)
+
+
+def mentions_interpolation(value: Any) -> bool:
+    """Whether any text inside ``value`` (a scalar, or mappings and lists of them) holds ``${``."""
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(mentions_interpolation(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(mentions_interpolation(v) for v in value)
+    return False
 
 
 def names_other_shards(overrides, where: str) -> bool:
