@@ -323,8 +323,14 @@ def test_deepspeed_config_is_derived_from_the_recipe():
 # ----------------------------------------------------------------------------- kill -9, then resume
 
 
+#: Steps of the kill -9 runs: FSDP2 writes a DCP checkpoint every step (~0.5 s each), so its runs are
+#: shorter; the kills land after 1..steps-2 checkpoints either way.
+KILL_STEPS = {"ddp": 10, "fsdp2": 6}
+
+
 def train_command(run_dir: Path, *extra: str, strategy: str = "ddp") -> list[str]:
-    overrides = ["train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+    steps = KILL_STEPS[strategy]
+    overrides = [f"train.steps={steps}", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
     overrides.append(f"train.distributed.strategy={strategy}")
     overrides.append("train.export=false")
     return ["train", SMOKE, *overrides, "--run-dir", str(run_dir), *extra]
@@ -337,9 +343,9 @@ def newest_step(run_dir: Path) -> int:
     return max((int(re.search(r"step-(\d+)", name).group(1)) for name in names), default=0)
 
 
-def final_state(run_dir: Path) -> dict:
+def final_state(run_dir: Path, steps: int) -> dict:
     state = load_checkpoint(list_checkpoints(run_dir)[-1])
-    assert state["step"] == 10
+    assert state["step"] == steps
     return state
 
 
@@ -360,14 +366,15 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = functools.partial(train_command, strategy=strategy)
     warm_launch.run(command(in_tmp / "reference"), cwd=in_tmp, env=env, check=True)
-    expected = final_state(in_tmp / "reference")
+    steps = KILL_STEPS[strategy]
+    expected = final_state(in_tmp / "reference", steps)
     chooser = random.Random(int(os.environ.get("CLIPKIT_KILL_SEED", "7")))
     killed = 0
     # FSDP2's runs write a DCP checkpoint every step (~0.5 s each): two kills there, three for DDP.
     attempts = 3 if strategy == "ddp" else 2
     for attempt in range(attempts):
         run_dir = in_tmp / f"killed-{attempt}"
-        target = chooser.randint(1, 8)  # kill once this many checkpoints exist, mid-step or mid-write
+        target = chooser.randint(1, steps - 2)  # kill once this many checkpoints exist, mid-step or mid-write
         process = warm_launch.WarmLaunch(command(run_dir), cwd=in_tmp, env=env)
         deadline = time.monotonic() + 300
         while newest_step(run_dir) < target and process.poll() is None:
@@ -382,8 +389,8 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(in_tmp, strategy):
         killed += 1
         resume = ["--resume"] if list_checkpoints(run_dir) else []  # killed before the first one completed
         warm_launch.run(command(run_dir, *resume), cwd=in_tmp, env=env, check=True)
-        assert_identical(final_state(run_dir), expected)
-    assert killed >= 2, "the kills should land before the 10-step runs finish"
+        assert_identical(final_state(run_dir, steps), expected)
+    assert killed >= 2, f"the kills should land before the {steps}-step runs finish"
 
 
 def every_recipe(registry) -> list[str]:
