@@ -148,3 +148,29 @@ def test_ordinary_interpolations_still_resolve(registry, in_tmp):
     assert "${" not in repr(cloob)
     (in_tmp / "mine.yaml").write_text(doubling_recipe(10))
     assert len(load_recipe("mine.yaml", [], registry=registry)["notes"]["a10"]) == 1024
+
+
+def test_interpolations_brought_by_overrides_alone_are_still_bounded(registry):
+    """A recipe holding no `${` is not walked again while the overrides add none; once one does, the
+    walk runs again: a doubling chain built from the command line alone is refused like a file's."""
+    chain = ["notes.a0=x"] + [f"notes.a{i}=${{notes.a{i - 1}}}${{notes.a{i - 1}}}" for i in range(1, 26)]
+    with pytest.raises(RecipeError, match="more than"):
+        load_recipe(SMOKE, chain, registry=registry)
+    with pytest.raises(RecipeError, match="resolver"):
+        load_recipe(SMOKE, ["train.steps=4", "notes.home=${oc.env:HOME}", "seed=3"], registry=registry)
+
+
+def test_a_recipe_without_interpolations_is_not_walked(registry, monkeypatch):
+    """The bound's walk (:class:`_Estimate`) runs only where a `${` exists: most recipes hold none."""
+    from clipkit.config import recipe as recipe_module
+
+    def walked(*args, **kwargs):
+        raise AssertionError("walked a recipe without interpolations")
+
+    monkeypatch.setattr(recipe_module, "_Estimate", walked)
+    recipe = load_recipe(SMOKE, ["train.steps=4", "data.batch_size=8", "notes={a: plain}"], registry=registry)
+    assert recipe["train"]["steps"] == 4 and recipe["notes"] == {"a": "plain"}
+    with pytest.raises(AssertionError, match="walked"):
+        load_recipe(SMOKE, ["train.log_every=${train.steps}"], registry=registry)
+    assert recipe_module.mentions_interpolation({"a": [1, {"b": "${c}"}]})
+    assert not recipe_module.mentions_interpolation({"a": [1, {"b": "$c {d}"}], "${key}": 2})
