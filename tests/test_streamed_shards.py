@@ -361,7 +361,7 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
     )  # fmt: skip
     source = f"data.mixture={mixture}" if data == "mixture" else f"data.shards={shards}"
     # Two loader workers: two lanes, each read by one worker (the bytes of the epoch read once).
-    overrides = ["train.steps=30", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
+    overrides = ["train.steps=20", "train.checkpoint_every=2", "train.export=false", "data.batch_size=16",
                  "eval=[]", source, "data.num_workers=2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -385,6 +385,6 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
     with contextlib.suppress(ProcessLookupError):
         os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    assert process.returncode == -signal.SIGKILL, "the kill should land before the 30-step run ends"
+    assert process.returncode == -signal.SIGKILL, "the kill should land before the 20-step run ends"
     warm_launch.subprocess_run(command(killed, "--resume"), env=env, check=True)
     assert_same_weights(newest(killed), newest(full))
