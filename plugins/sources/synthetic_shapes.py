@@ -252,7 +252,7 @@ def render_with_geometry(
 
 def _png_bytes(image: Image.Image) -> bytes:
     """Lossless PNG at zlib level 1: the pixels are the same at every level, and level 1 encodes these
-    noisy images in 0.27-0.55x the CPU of Pillow's default (6) for 4-9 % more bytes (48 and 224 px;
+    noisy images in 0.3-0.5x the CPU of Pillow's default (6) for 4-9 % more bytes (48 and 224 px;
     benchmarks/shapes_png.py, docs/benchmarks.md)."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
