@@ -11,10 +11,10 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from clipkit.app import api
 from clipkit.data.shard import MANIFEST, read_manifest, verify_shards
@@ -179,16 +179,15 @@ def test_a_journal_left_in_a_finished_set_is_removed_by_the_next_writer(tmp_path
 CONCURRENT = "synthetic://shapes?n=400&seed=3"
 
 
-def start_together(commands: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess]:
+def start_together(argv: list[str], cwd: Path, *, script: Path | None = None) -> list:
+    """Three ``python -m clipkit ARGV`` (or ``python SCRIPT ARGV``) processes at once, forked warm
+    (tests/warm_launch.py: each a fresh process, minus the ~4 CPU-s of imports), to completion."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [
-        subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for command in commands
-    ]
+    processes = [warm_launch.WarmLaunch(argv, cwd=cwd, env=env, script=script) for _ in range(3)]
     results = []
     for process in processes:
         stdout, stderr = process.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+        results.append(subprocess.CompletedProcess(argv, process.returncode, stdout, stderr))
     return results
 
 
@@ -203,8 +202,7 @@ def assert_one_intact_set(out: Path, n: int) -> None:
 @pytest.mark.slow
 def test_three_shard_commands_started_together_all_succeed_with_one_set(tmp_path):
     out = tmp_path / "data" / "shards"
-    command = [sys.executable, "-m", "clipkit", "shard", CONCURRENT, str(out), "--samples-per-shard=50"]
-    results = start_together([command] * 3, tmp_path)
+    results = start_together(["shard", CONCURRENT, str(out), "--samples-per-shard=50"], tmp_path)
     for result in results:
         assert result.returncode == 0, result.stderr
         assert "wrote 400 samples in 8 shard(s)" in result.stdout
@@ -216,10 +214,11 @@ def test_three_shard_commands_started_together_all_succeed_with_one_set(tmp_path
 def test_training_runs_started_together_share_the_shards_of_their_source(tmp_path):
     """What `clipkit train` does first (ensure_shards), in three processes at once."""
     out = tmp_path / "data" / "shards"
-    script = "\n".join(
-        ["import sys", "from clipkit.data.shard_writer import ensure_shards", "ensure_shards(*sys.argv[1:3])"]
+    script = tmp_path / "ensure.py"
+    script.write_text(
+        "import sys\nfrom clipkit.data.shard_writer import ensure_shards\nensure_shards(*sys.argv[1:3])\n"
     )
-    results = start_together([[sys.executable, "-c", script, str(out), CONCURRENT]] * 3, tmp_path)
+    results = start_together([str(out), CONCURRENT], tmp_path, script=script)
     for result in results:
         assert result.returncode == 0, result.stderr
     assert_one_intact_set(out, 400)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 
@@ -46,14 +47,9 @@ def installed(tmp_path_factory):
 
 
 def clipkit(args, env, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "clipkit", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=300,
-    )
+    """``python -m clipkit ARGS`` in a fresh process (forked warm: tests/warm_launch.py), whose
+    ``PYTHONPATH`` holds the pip-installed plugin; output captured as text."""
+    return warm_launch.run(args, cwd=cwd, env=env, timeout=300)
 
 
 def test_the_example_is_about_twenty_lines():
@@ -111,7 +107,6 @@ def test_contract_checks_pass_on_the_example(installed):
         "assert 'i2t_infonce' in check_plugin(m).names('loss')\n"
         "check_loss(m.ImageToTextInfoNCE())\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    (root / "check.py").write_text(code, encoding="utf-8")
+    result = warm_launch.run([], cwd=root, env=env, script=root / "check.py", timeout=120)
     assert result.returncode == 0, result.stderr
