@@ -143,6 +143,32 @@ def test_a_plugin_parameter_declares_its_choices_with_annotated(ranged_registry)
     assert validate(recipe, ranged_registry) == ["loss.mode: must be one of a, b, got 'c'"]
 
 
+def test_type_hints_are_remembered_per_factory_and_still_checked(ranged_registry, monkeypatch):
+    """Validation reads each factory's annotations once per process (string annotations cost an
+    evaluation per call); every resolve still checks values against them, and an unresolvable
+    annotation is never remembered (asked again)."""
+    import typing
+
+    from clipkit.config.constraints import type_hints
+
+    calls = []
+    original = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    for value in ("0", "hot", "0"):  # the same factory three times: its hints read at most once more
+        overrides = ["loss.name=ranged", f"loss.temperature={value}"]
+        assert validate(load_recipe(SMOKE, overrides, registry=ranged_registry), ranged_registry), value
+    assert calls.count(scaled_loss) <= 2  # once with Annotated extras, once without (if not yet read)
+    assert type_hints(scaled_loss)["temperature"] is float
+
+    def unresolvable(x: NotDefinedAnywhere) -> None:  # noqa: F821
+        return None
+
+    for _ in range(2):
+        with pytest.raises(NameError):
+            type_hints(unresolvable)
+    assert calls.count(unresolvable) == 2
+
+
 def test_constraints_describe_themselves():
     assert Range(gt=0).problem(0) == "must be > 0, got 0"
     assert (

@@ -1,10 +1,11 @@
 """The ``clipkit`` command line: parse, call one typed function in :mod:`clipkit.app.api`, print.
 
 Nothing heavy is imported at module level, so ``clipkit --help`` starts without torch.
-Experiment knobs are recipe overrides (``key=value``), not flags.
+Experiment knobs are recipe overrides (``key=value``), not flags. No ``from __future__ import
+annotations`` here: typer reads every command's signature at each start, and evaluating string
+annotations doubled that (~55 instead of ~25 ms a start).
 """
 
-from __future__ import annotations
 
 import contextlib
 import json

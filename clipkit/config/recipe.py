@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from clipkit.config.constraints import type_hints
 from clipkit.config.dotted import get_path, lookup
 from clipkit.config.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.config.recipe.DataConfig
     SECTIONS,
@@ -573,7 +574,7 @@ def check_arguments(factory, kwargs: dict, path: str, what: str, injected: froze
 def _type_hints(factory) -> dict[str, Any]:
     target = factory.__init__ if inspect.isclass(factory) else factory
     try:
-        return typing.get_type_hints(target)
+        return type_hints(target)
     except Exception:  # unresolvable annotations: skip type checks rather than fail validation
         return {}
 
@@ -616,7 +617,7 @@ def _check_section(config: Any, section: str, schema) -> list[str]:
     if not isinstance(config, dict):
         return [f"{section}: must be a mapping"]
     known = {f.name: f for f in fields(schema)}
-    hints = typing.get_type_hints(schema)
+    hints = type_hints(schema)
     errors = []
     for key, value in config.items():
         if key not in known:
