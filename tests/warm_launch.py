@@ -22,6 +22,7 @@ forwarding), and the first run of one strategy in tests/test_distributed.py.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -99,12 +100,42 @@ STOP_GRACE_SECONDS = 10.0
 _context = None
 
 
+#: Where the fork server's optional preload (``warm_optional``) and the torchvision shim live.
+SHIMS = Path(__file__).resolve().parent / "shims"
+
+
 def _fork_server():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        _context.set_forkserver_preload([*PRELOAD, "warm_optional"])
+        with _server_start_environment():
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
     return _context
+
+
+@contextlib.contextmanager
+def _server_start_environment():
+    """The fork server is a new interpreter started with this process's environment: for its start
+    only, ``SHIMS`` leads ``PYTHONPATH`` (so ``warm_optional`` imports, and the shim's
+    ``sitecustomize`` runs) and, where torchvision cannot import, the shim defines its op schemas
+    first (tests/shims/sitecustomize.py). Every launched process still gets its test's environment."""
+    from interop_support import torchvision_is_broken
+
+    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "CLIPKIT_TESTS_TORCHVISION_OPS")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIMS), saved["PYTHONPATH"]]))
+    if importlib.util.find_spec("peft") is not None and torchvision_is_broken():
+        os.environ["CLIPKIT_TESTS_TORCHVISION_OPS"] = "1"
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def free_port() -> int:
