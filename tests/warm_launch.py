@@ -122,20 +122,14 @@ def _server_start_environment():
     only, ``SHIMS`` leads ``PYTHONPATH`` (so ``warm_optional`` imports, and the shim's
     ``sitecustomize`` runs) and, where torchvision cannot import, the shim defines its op schemas
     first (tests/shims/sitecustomize.py). Every launched process still gets its test's environment."""
+    import pytest
     from interop_support import torchvision_is_broken
 
-    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "CLIPKIT_TESTS_TORCHVISION_OPS")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIMS), saved["PYTHONPATH"]]))
-    if importlib.util.find_spec("peft") is not None and torchvision_is_broken():
-        os.environ["CLIPKIT_TESTS_TORCHVISION_OPS"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SHIMS), os.environ.get("PYTHONPATH")])))
+        if importlib.util.find_spec("peft") is not None and torchvision_is_broken():
+            patch.setenv("CLIPKIT_TESTS_TORCHVISION_OPS", "1")
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def free_port() -> int:
