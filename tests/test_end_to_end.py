@@ -104,6 +104,45 @@ def test_export_is_self_describing_and_round_trips_bit_exact(smoke_run):
         assert torch.equal(tensor, loaded[key]), key
 
 
+def test_reading_an_export_draws_no_initial_weights_and_keeps_buffers(smoke_run, monkeypatch):
+    """The export's weights replace every parameter, so reading it draws none (torch.nn.init's random
+    initialisers skip parameters while it builds); a buffer drawn with them (a plugin's seeded random
+    features) is still drawn, and torch.nn.init is itself again afterwards."""
+    from clipkit.artifacts.reader import load_export
+    from clipkit.model import RANDOM_INITS, parameters_not_initialised
+
+    _, result = smoke_run
+    drawn = []
+    original = torch.nn.init.normal_
+
+    def counting_normal(tensor, *args, **kwargs):
+        drawn.append(isinstance(tensor, torch.nn.Parameter))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "normal_", counting_normal)
+    model, _ = load_export(result.export_dir, fresh_registry())
+    assert True not in drawn  # no parameter drawn (the ViT's and the text tower's use normal_)
+    assert torch.nn.init.normal_ is counting_normal
+    saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]
+    assert all(torch.equal(model.state_dict()[key], tensor) for key, tensor in saved.items())
+
+    class Seeded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4))
+            self.register_buffer("features", torch.zeros(4), persistent=False)
+            generator = torch.Generator().manual_seed(0)
+            torch.nn.init.normal_(self.weight, generator=generator)
+            torch.nn.init.normal_(self.features, generator=torch.Generator().manual_seed(0))
+
+    before = [getattr(torch.nn.init, name) for name in RANDOM_INITS]
+    with parameters_not_initialised():
+        built = Seeded()
+    assert torch.equal(built.weight.detach(), torch.zeros(4))  # skipped: the export's value replaces it
+    assert torch.equal(built.features, Seeded().features) and built.features.abs().sum() > 0
+    assert [getattr(torch.nn.init, name) for name in RANDOM_INITS] == before
+
+
 def test_eval_reads_the_export_alone(smoke_run, tmp_path):
     root, result = smoke_run
     moved = tmp_path / "moved-export"

@@ -18,7 +18,7 @@ from clipkit.artifacts.integrity import policy, reading_artifact, verify_files, 
 from clipkit.config.recipe import validate
 from clipkit.contract.registry import KINDS, Registry
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.model import ContrastiveModel, build_model
+from clipkit.model import ContrastiveModel, build_model, parameters_not_initialised
 
 FORMAT = "clipkit-export/1"
 WEIGHTS = "model.safetensors"
@@ -89,7 +89,8 @@ def load_export(export_dir: Path, registry: Registry) -> tuple[ContrastiveModel,
         raise ArtifactError(
             f"{Path(export_dir) / METADATA}: its recipe is invalid (edited?): {listed}; {REDO}"
         )
-    with reading_artifact(export_dir, Path(export_dir) / METADATA):  # plugin files: inside the export
+    # Every parameter is loaded below (strictly): their random initial values are not drawn.
+    with reading_artifact(export_dir, Path(export_dir) / METADATA), parameters_not_initialised():
         model = build_model(recipe, registry)
     load_weights(model, weights)
     return model.eval(), metadata
