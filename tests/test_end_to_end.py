@@ -109,20 +109,22 @@ def test_reading_an_export_draws_no_initial_weights_and_keeps_buffers(smoke_run,
     initialisers skip parameters while it builds); a buffer drawn with them (a plugin's seeded random
     features) is still drawn, and torch.nn.init is itself again afterwards."""
     from clipkit.artifacts.reader import load_export
-    from clipkit.model import RANDOM_INITS, parameters_not_initialised
+    from clipkit.model import RANDOM_INITS, build_model, parameters_not_initialised
 
     _, result = smoke_run
-    drawn = []
-    original = torch.nn.init.normal_
+    drawn = []  # per call of Tensor.normal_ (what torch.nn.init.normal_ draws with): on a parameter?
+    original = torch.Tensor.normal_
 
     def counting_normal(tensor, *args, **kwargs):
         drawn.append(isinstance(tensor, torch.nn.Parameter))
         return original(tensor, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.init, "normal_", counting_normal)
-    model, _ = load_export(result.export_dir, fresh_registry())
-    assert True not in drawn  # no parameter drawn (the ViT's and the text tower's use normal_)
-    assert torch.nn.init.normal_ is counting_normal
+    monkeypatch.setattr(torch.Tensor, "normal_", counting_normal)
+    registry = fresh_registry()
+    model, metadata = load_export(result.export_dir, registry)
+    assert not any(drawn)
+    build_model(metadata["recipe"], registry)  # the same build, not reading an export: it draws them
+    assert any(drawn)
     saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]
     assert all(torch.equal(model.state_dict()[key], tensor) for key, tensor in saved.items())
 
