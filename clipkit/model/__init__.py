@@ -53,7 +53,7 @@ def _parameters_left_alone(initialise):
 def parameters_not_initialised() -> Iterator[None]:
     """Build modules without drawing random initial values for their *parameters*, for a model
     whose every parameter is loaded (strictly) right after: reading an export. Drawing a ViT-B/16
-    CLIP's 150 M initial weights cost ~2.5 CPU-s of a load (one measurement). Only
+    CLIP's 150 M initial weights was two thirds of reading its export (benchmarks/load_export.py). Only
     :data:`RANDOM_INITS` called on an ``nn.Parameter`` are skipped: buffers (persistent or not, a
     plugin's seeded random features among them), deterministic initialisers and everything else
     ``__init__`` computes run as before. Patches ``torch.nn.init`` for the duration (not for
