@@ -149,10 +149,11 @@ def recipe_for(spec: ClipSpec, state: dict, registry: Registry) -> dict:
 
 def build(spec: ClipSpec, state: dict, registry: Registry) -> tuple[ContrastiveModel, dict]:
     """A clipkit model holding ``state`` (strict: every key must match), in eval mode, + its recipe."""
-    from clipkit.model import build_model
+    from clipkit.model import build_model, parameters_not_initialised
 
     recipe = recipe_for(spec, state, registry)
-    model = build_model(recipe, registry)
+    with parameters_not_initialised():  # every parameter is loaded (strictly) below
+        model = build_model(recipe, registry)
     load_strict(model, state, "converted weights")
     return model.eval(), recipe
 
