@@ -414,6 +414,36 @@ def test_distilbert_matches_transformers(tmp_path):
     torch.testing.assert_close(hidden[0, 2], torch.tensor(DISTIL_TOKEN_2), atol=1e-5, rtol=0)
 
 
+def test_a_backbone_whose_weights_are_loaded_draws_no_initial_values(tmp_path, monkeypatch):
+    """BERT's init draws N(0, 0.02) for every weight; a backbone that loads a checkpoint right after
+    (which must fit it exactly) skips those draws, one built without weights makes them."""
+    from safetensors.torch import save_file
+
+    save_file(distil_reference_state(), str(tmp_path / "model.safetensors"))
+    drawn = []  # per call of Tensor.normal_: the shape it drew on a parameter
+    original = torch.Tensor.normal_
+
+    def recording_normal(tensor, *args, **kwargs):
+        if isinstance(tensor, torch.nn.Parameter):
+            drawn.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", recording_normal)
+    sizes = dict(embed_dim=EMBED_DIM, vocab_size=40, context_length=7, layers=2, width=16, heads=2, ffn=32,
+                 max_positions=16)  # fmt: skip
+    loaded = distilbert_tiny(**sizes, weights=str(tmp_path))
+    assert drawn == []
+    assert all(torch.equal(loaded.backbone.state_dict()[k], v) for k, v in load_file_state(tmp_path).items())
+    distilbert_tiny(**sizes)
+    assert (40, 16) in drawn and len(drawn) >= 2 * 4  # word embeddings, each layer's linear maps
+
+
+def load_file_state(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return convert_hf_state_dict(load_file(str(directory / "model.safetensors")), "distilbert")
+
+
 def test_convert_rejects_unknown_parameters():
     state = {"bert.embeddings.word_embeddings.weight": torch.zeros(1), "cls.predictions.bias": torch.zeros(1)}
     with pytest.raises(ClipkitError, match="cls.predictions.bias"):

@@ -145,6 +145,28 @@ def test_reading_an_export_draws_no_initial_weights_and_keeps_buffers(smoke_run,
     assert [getattr(torch.nn.init, name) for name in RANDOM_INITS] == before
 
 
+def test_exporting_a_run_draws_no_initial_weights(smoke_run, tmp_path, monkeypatch):
+    """The export writer's model takes every parameter from the checkpoint (strictly): it is built
+    without drawing initial values for them, and the export holds the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    _, result = smoke_run
+    drawn = []
+    original = torch.Tensor.normal_
+
+    def counting_normal(tensor, *args, **kwargs):
+        drawn.append(isinstance(tensor, torch.nn.Parameter))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", counting_normal)
+    out = api.export(result.run_dir, tmp_path / "again", registry=fresh_registry())
+    assert not any(drawn)
+    saved = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]
+    written = load_file(str(out / "model.safetensors"))
+    assert written.keys() == saved.keys()
+    assert all(torch.equal(written[key], tensor) for key, tensor in saved.items())
+
+
 def test_eval_reads_the_export_alone(smoke_run, tmp_path):
     root, result = smoke_run
     moved = tmp_path / "moved-export"

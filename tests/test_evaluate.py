@@ -280,6 +280,27 @@ def test_write_eval_report_writes_json_markdown_and_plots(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
 
 
+def test_recall_curves_mark_k_as_integers_without_minor_ticks(monkeypatch, tmp_path):
+    """The K axis (log) is labelled 1, 2, 5, 10, 20, ... up to the largest K, as Recall@K is written,
+    with no minor tick at every integer."""
+    from clipkit.eval import report as report_module
+
+    assert report_module.k_ticks(1) == [1]
+    assert report_module.k_ticks(32) == [1, 2, 5, 10, 20]
+    assert report_module.k_ticks(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    seen = {}
+    monkeypatch.setattr(report_module, "save_figure", lambda figure, path: seen.setdefault("figure", figure))
+    k = list(range(1, 51))
+    curves = {"k": k, "i2t": [x / 50 for x in k], "t2i": [x / 50 for x in k]}
+    report_module.plot_recall_curves(
+        [{"name": "retrieval", "data": "d", "curves": curves}], tmp_path / "r.png"
+    )
+    axes = seen["figure"].axes[0]
+    assert [tick.get_text() for tick in axes.get_xticklabels()] == ["1", "2", "5", "10", "20", "50"]
+    assert list(axes.xaxis.get_minorticklocs()) == []
+    report_module.pyplot().close(seen["figure"])
+
+
 def test_read_metrics_ignores_only_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')

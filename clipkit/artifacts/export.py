@@ -38,7 +38,7 @@ from clipkit.config.recipe import SLOTS, section, validate_or_raise
 from clipkit.contract.manager import plugin_distribution
 from clipkit.contract.registry import Registry
 from clipkit.errors import ArtifactError, ClipkitError
-from clipkit.model import ContrastiveModel, build_model
+from clipkit.model import ContrastiveModel, build_model, parameters_not_initialised
 from clipkit.train.checkpoint import STATE, latest_checkpoint, load_checkpoint
 
 #: What an export directory holds: its files and the reports `clipkit eval` writes beside them. A
@@ -194,7 +194,8 @@ def export_run(
         recipe_path, "the run's recipe", "restore it from the run's clipkit.json or a backup"
     )
     validate_or_raise(recipe, registry)
-    model = build_model(recipe, registry)
+    with parameters_not_initialised():  # every parameter is loaded from the checkpoint, strictly
+        model = build_model(recipe, registry)
     state = load_checkpoint(path)
     weights = ema_weights(state, Path(path) / STATE) if ema else state["model"]
     try:

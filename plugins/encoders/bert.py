@@ -23,6 +23,7 @@ Shapes: B batch, L sequence length (<= context_length), D width, d embed_dim.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -321,6 +322,17 @@ def convert_hf_state_dict(state: dict[str, Tensor], family: str = "bert") -> dic
     return converted
 
 
+def _drawn_unless_loaded(loaded: bool):
+    """Initial values drawn for a backbone's parameters, unless a checkpoint replaces every one of
+    them right after (:func:`load_hf_weights` refuses a missing one): drawing MiniLM's 22 M initial
+    weights only to overwrite them was most of building its tower."""
+    if not loaded:
+        return contextlib.nullcontext()
+    from clipkit.model import parameters_not_initialised
+
+    return parameters_not_initialised()
+
+
 def load_hf_weights(backbone: BertBackbone, path: str | Path, family: str) -> None:
     """Load a local HF checkpoint (a model directory or its model.safetensors) into ``backbone``, strictly."""
     from safetensors.torch import load_file
@@ -365,18 +377,22 @@ def distilbert(
     (BERT's init) unless ``weights`` names a local Hugging Face DistilBertModel checkpoint
     (directory or model.safetensors), e.g. distilbert-base-uncased saved by its owner.
     """
-    backbone = BertBackbone(
-        vocab_size=vocab_size,
-        width=width,
-        layers=layers,
-        heads=heads,
-        ffn=ffn,
-        max_positions=max_positions,
-        type_vocab_size=0,
-        dropout=dropout,
-        grad_checkpointing=grad_checkpointing,
-    )
-    if weights is not None and artifact_root() is None:  # rebuilt from an export: its weights replace these
+    loaded = (
+        weights is not None and artifact_root() is None
+    )  # rebuilt from an export: its weights replace these
+    with _drawn_unless_loaded(loaded):
+        backbone = BertBackbone(
+            vocab_size=vocab_size,
+            width=width,
+            layers=layers,
+            heads=heads,
+            ffn=ffn,
+            max_positions=max_positions,
+            type_vocab_size=0,
+            dropout=dropout,
+            grad_checkpointing=grad_checkpointing,
+        )
+    if loaded:
         load_hf_weights(backbone, weights, "distilbert")
     return BertTextEncoder(
         embed_dim=embed_dim, context_length=context_length, backbone=backbone, output=output, frozen=frozen
@@ -455,18 +471,19 @@ def minilm_l6(
             f"minilm_l6 needs the tokenizer's vocab_size to be {config['vocab_size']} (wordpiece, "
             f"vocab 'minilm'), got {vocab_size}"
         )
-    backbone = BertBackbone(
-        vocab_size=config["vocab_size"],
-        width=config["hidden_size"],
-        layers=config["num_hidden_layers"],
-        heads=config["num_attention_heads"],
-        ffn=config["intermediate_size"],
-        max_positions=config["max_position_embeddings"],
-        type_vocab_size=config["type_vocab_size"],
-        dropout=dropout,
-        eps=config["layer_norm_eps"],
-        grad_checkpointing=grad_checkpointing,
-    )
+    with _drawn_unless_loaded(model_dir is not None):
+        backbone = BertBackbone(
+            vocab_size=config["vocab_size"],
+            width=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=config["num_attention_heads"],
+            ffn=config["intermediate_size"],
+            max_positions=config["max_position_embeddings"],
+            type_vocab_size=config["type_vocab_size"],
+            dropout=dropout,
+            eps=config["layer_norm_eps"],
+            grad_checkpointing=grad_checkpointing,
+        )
     if model_dir is not None:
         load_hf_weights(backbone, model_dir, "bert")
     return BertTextEncoder(
