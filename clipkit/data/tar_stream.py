@@ -35,6 +35,7 @@ from clipkit.data.remote import (
     transport_fault,
 )
 from clipkit.data.tar_index import MEMBER_NAME, load_index, record_starts
+from clipkit.data.tar_members import TarMembers
 
 READ_BUFFER = 1 << 20
 
@@ -254,26 +255,27 @@ def group_members(url: str, stream, bounded: bool = False) -> Iterator[dict[str,
     """The records of the tar ``stream``; a ShardUnavailable (``corrupt_tar``) after the last whole
     record when the archive breaks off where a member header should be.
 
-    tarfile ends an archive silently at a missing or partial header (only at offset 0 is it an
-    error), so a shard cut at or inside a member header would read as a shorter, valid one: here
-    the block read where the next header was expected must be whole (tar's end-of-archive block).
-    A ``bounded`` stream (a window ending at a record's first header) may end just there."""
+    A tar reader ends an archive at a missing or partial header without an error (only at offset 0
+    is it one), so a shard cut at or inside a member header would read as a shorter, valid one:
+    here the block read where the next header was expected must be whole (tar's end-of-archive
+    block). A ``bounded`` stream (a window ending at a record's first header) may end just there.
+    A damaged member header is an error too (:mod:`clipkit.data.tar_members`)."""
     record: dict[str, Any] = {}
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for member in tar:
-            match = MEMBER_NAME.match(member.name)
-            if not member.isfile() or match is None:
-                continue
-            key, field = match.group(1), match.group(2).lower()
-            if record and record["__key__"] != key:
-                yield record
-                record = {}
-            if not record:
-                record = {"__key__": key, "__url__": url}
-            record[field] = tar.extractfile(member).read()
-        ending = tar.fileobj.pos - tar.offset  # bytes of the block where a header was expected
+    members = TarMembers(stream)
+    for name, data in members:
+        match = MEMBER_NAME.match(name)
+        if match is None:
+            continue
+        key, field = match.group(1), match.group(2).lower()
+        if record and record["__key__"] != key:
+            yield record
+            record = {}
+        if not record:
+            record = {"__key__": key, "__url__": url}
+        record[field] = data
     if record:
         yield record
+    ending = members.ending  # bytes of the block where a header was expected
     if ending < tarfile.BLOCKSIZE and not (bounded and ending == 0):
         raise ShardUnavailable(
             url,
