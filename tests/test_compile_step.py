@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.config.settings_schema import DistributedConfig
@@ -150,13 +151,14 @@ def test_zero3_refuses_train_compile_before_anything_is_built(registry, in_tmp):
         assert Runtime(distributed=strategy, global_batch_size=BATCH).compile_refusal is None
 
 
-def test_compile_scope_step_compiles_towers_and_scoring(registry, in_tmp):
+def test_compile_scope_step_compiles_towers_and_scoring(registry, in_tmp, smoke_shards):
     """``compile_scope: step`` wires both (compiling itself is lazy: nothing runs here);
     ``towers``, the default, leaves the similarity + loss eager as ``train.compile`` always did."""
     from clipkit.train.compile import is_compiled
 
     if compile_unavailable():
         pytest.skip(compile_unavailable())
+    place_smoke_shards(in_tmp, smoke_shards)
     for scope, scoring in (("towers", False), ("step", True)):
         recipe = recipe_for(registry, "train.compile=default", f"train.compile_scope={scope}")
         trainer = build_trainer(recipe, Path(in_tmp / scope), registry)
@@ -186,7 +188,7 @@ def test_warm_compile_is_reported_apart_from_the_steady_speed():
     assert "samples_per_s_per_device" not in only_warmup and "step_ms" not in only_warmup
 
 
-def test_the_loop_logs_the_first_step_apart_when_compiling(registry, in_tmp, capsys):
+def test_the_loop_logs_the_first_step_apart_when_compiling(registry, in_tmp, capsys, smoke_shards):
     """``train_loop`` with ``train.compile`` set times its first step apart: the log line carries
     ``compile_warmup_s`` and its samples/s counts the later steps only. The towers stay eager here
     (the setting is switched on after building): what is tested is the loop's bookkeeping."""
@@ -194,6 +196,8 @@ def test_the_loop_logs_the_first_step_apart_when_compiling(registry, in_tmp, cap
 
     from clipkit.train.build import prepare_run_dir
     from clipkit.train.loop import train_loop
+
+    place_smoke_shards(in_tmp, smoke_shards)
 
     recipe = recipe_for(registry, "train.steps=3", "train.log_every=3", "train.export=false")
     prepare_run_dir(recipe, in_tmp / "run", resume=False)

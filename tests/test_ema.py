@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm_launch
+from conftest import place_smoke_shards
 from safetensors.torch import load_file
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
@@ -166,9 +167,10 @@ def cli(*args: str):
 
 
 @pytest.fixture(scope="module")
-def ema_run(tmp_path_factory):
+def ema_run(tmp_path_factory, smoke_shards):
     """quickstart@smoke, 6 steps, EMA evaluated (both) at step 2 and 4, checkpoints at 2/4/6."""
     root = tmp_path_factory.mktemp("ema-run")
+    place_smoke_shards(root, smoke_shards)
     previous = os.getcwd()
     os.chdir(root)
     try:
@@ -221,7 +223,8 @@ def test_in_training_evaluation_scores_live_and_ema_weights(ema_run):
         assert live and set(live) == set(averaged)
 
 
-def test_ema_with_decay_zero_scores_exactly_the_live_weights(registry, in_tmp):
+def test_ema_with_decay_zero_scores_exactly_the_live_weights(registry, in_tmp, smoke_shards):
+    place_smoke_shards(in_tmp, smoke_shards)
     """The EMA copy the evaluation builds is the model with the average loaded: with decay 0 the
     average is the live weights, so both score the same."""
     from clipkit.train.build import build_trainer
@@ -238,7 +241,8 @@ def test_ema_with_decay_zero_scores_exactly_the_live_weights(registry, in_tmp):
     assert half and results[:half] == results[half:]
 
 
-def test_export_ema_of_a_run_without_ema_and_resuming_it_with_ema_are_refused(in_tmp):
+def test_export_ema_of_a_run_without_ema_and_resuming_it_with_ema_are_refused(in_tmp, smoke_shards):
+    place_smoke_shards(in_tmp, smoke_shards)
     run = in_tmp / "plain"
     done = cli("train", SMOKE, "train.steps=2", "train.export=false", "--run-dir", str(run))
     assert done.exit_code == 0, done.output

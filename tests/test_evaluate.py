@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 
 from clipkit.app import api
 from clipkit.errors import ClipkitError, DataError
@@ -314,8 +315,9 @@ def test_read_metrics_ignores_only_a_torn_last_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def evaluated_run(tmp_path_factory):
+def evaluated_run(tmp_path_factory, smoke_shards):
     root = tmp_path_factory.mktemp("evalrun")
+    place_smoke_shards(root, smoke_shards)
     cwd = os.getcwd()
     os.chdir(root)
     try:

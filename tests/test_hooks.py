@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from conftest import place_smoke_shards
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app
@@ -54,7 +55,8 @@ def test_plugin_source_wins_over_builtin():
     assert len(list(builtin)) == 2
 
 
-def test_on_metrics_reaches_every_logger(in_tmp):
+def test_on_metrics_reaches_every_logger(in_tmp, smoke_shards):
+    place_smoke_shards(in_tmp, smoke_shards)  # sharding is not the point here
     from clipkit.app import api
     from clipkit.contract.registry import Registry
 

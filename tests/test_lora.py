@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.errors import ClipkitError, RecipeError
@@ -155,8 +156,9 @@ def cli(*args: str):
     return CliRunner().invoke(make_app(make_plugin_manager(autoload=False)), list(args))
 
 
-def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
+def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp, smoke_shards):
     import_peft()
+    place_smoke_shards(in_tmp, smoke_shards)
     from safetensors.torch import load_file
 
     from clipkit.artifacts.reader import load_export
@@ -198,8 +200,9 @@ def test_train_resume_and_export_merged_or_with_adapters(registry, in_tmp):
         assert torch.allclose(got_features, expected_features, atol=1e-6, rtol=0)
 
 
-def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp):
+def test_export_ema_of_a_lora_run_merges_the_averaged_adapters(registry, in_tmp, smoke_shards):
     import_peft()
+    place_smoke_shards(in_tmp, smoke_shards)
     from safetensors.torch import load_file
 
     from clipkit.model.lora import merge_adapters

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app
@@ -63,7 +64,10 @@ def test_a_full_size_recipe_on_a_24_gib_machine_is_refused_with_the_estimate(app
     assert not (in_tmp / "run" / "checkpoints").exists()  # refused before any training or data
 
 
-def test_a_small_recipe_on_a_smaller_machine_is_refused_then_run_when_asked(app, in_tmp, monkeypatch):
+def test_a_small_recipe_on_a_smaller_machine_is_refused_then_run_when_asked(
+    app, in_tmp, monkeypatch, smoke_shards
+):
+    place_smoke_shards(in_tmp, smoke_shards)
     machine_with(monkeypatch, 2**20)  # 1 MiB
     args = ["train", "quickstart@smoke", "train.steps=1", "train.export=false", "--run-dir", "run"]
     line = one_error_line(invoke(app, *args))

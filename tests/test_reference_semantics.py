@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 from torch import nn
 
 from clipkit.app.api import resolve
@@ -234,7 +235,7 @@ def test_a_declaration_naming_no_parameter_is_refused():
         bounded_parameters(similarity=Empty())
 
 
-def test_the_loop_clamps_a_parameter_beyond_its_bound_after_the_step(tmp_path, monkeypatch):
+def test_the_loop_clamps_a_parameter_beyond_its_bound_after_the_step(tmp_path, monkeypatch, smoke_shards):
     """A scale above its bound (as an older checkpoint may hold) gets no gradient and no AdamW
     update (its state is zero, no decay on scalars); the clamp after the step puts it at ln 100."""
     from clipkit.config.recipe import load_recipe, validate_or_raise
@@ -242,6 +243,7 @@ def test_the_loop_clamps_a_parameter_beyond_its_bound_after_the_step(tmp_path, m
     from clipkit.train.loop import train_step
 
     monkeypatch.chdir(tmp_path)
+    place_smoke_shards(tmp_path, smoke_shards)
     registry = default_registry()
     recipe = validate_or_raise(
         load_recipe("quickstart@smoke", ["train.steps=2"], registry=registry), registry

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm_launch
+from conftest import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.contract.registry import default_registry
@@ -35,8 +36,11 @@ def registry():
 
 
 @pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
+def in_tmp(tmp_path, monkeypatch, smoke_shards):
+    """A temporary working directory already holding quickstart@smoke's shards: the runtime is the
+    point here, not sharding at the start of training."""
     monkeypatch.chdir(tmp_path)
+    place_smoke_shards(tmp_path, smoke_shards)
     return tmp_path
 
 

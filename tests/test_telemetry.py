@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import place_smoke_shards
 from torch import nn
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
@@ -149,8 +150,9 @@ def test_phase_clock_sums_host_time_per_phase(monkeypatch):
 # ----------------------------------------------------------------------------- in a run
 
 
-def test_every_log_line_carries_the_telemetry(registry, tmp_path, monkeypatch):
+def test_every_log_line_carries_the_telemetry(registry, tmp_path, monkeypatch, smoke_shards):
     monkeypatch.chdir(tmp_path)
+    place_smoke_shards(tmp_path, smoke_shards)
     rows = run(registry, tmp_path / "run")
     assert [row["step"] for row in rows] == [2, 4]
     for row in rows:
@@ -162,19 +164,21 @@ def test_every_log_line_carries_the_telemetry(registry, tmp_path, monkeypatch):
         assert "mfu" not in row  # no CPU peak unless the recipe sets one
 
 
-def test_mfu_against_a_peak_the_recipe_sets(registry, tmp_path, monkeypatch):
+def test_mfu_against_a_peak_the_recipe_sets(registry, tmp_path, monkeypatch, smoke_shards):
     monkeypatch.chdir(tmp_path)
+    place_smoke_shards(tmp_path, smoke_shards)
     rows = run(registry, tmp_path / "run", "train.peak_tflops=0.5", "train.micro_batch_size=8")
     for row in rows:
         assert row["mfu"] == pytest.approx(row["model_tflops_per_s_per_device"] / 0.5)
         assert row["forward_backward_ms"] > 0 and "forward_ms" not in row  # exact accumulation
 
 
-def test_the_log_line_and_report_show_the_telemetry(registry, tmp_path, monkeypatch):
+def test_the_log_line_and_report_show_the_telemetry(registry, tmp_path, monkeypatch, smoke_shards):
     from clipkit.app import api
     from clipkit.plugins.loggers.progress_log import step_line
 
     monkeypatch.chdir(tmp_path)
+    place_smoke_shards(tmp_path, smoke_shards)
     rows = run(registry, tmp_path / "run")
     line = step_line(rows[-1]["step"], rows[-1], {"total": 4, "first": 0, "started": 0.0})
     for part in ("samples/s/device", "data wait", "step", "fwd", "bwd", "opt", "peak"):
