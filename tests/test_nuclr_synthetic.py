@@ -7,18 +7,32 @@ logsumexp, and Remark 2's identity between the uniform-q̃ risk and the global c
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, stats
 
 from clipkit.plugins.experiments import nuclr_synthetic as ns
 
 F64 = torch.float64
 TAU = ns.TAU
+
+
+class Imported:
+    """A module imported at its first use: scipy takes ~1.5 CPU-s to import, which every xdist
+    worker would pay at collection although one of them runs these tests."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(importlib.import_module(self.name), attribute)
+
+
+integrate, stats = Imported("scipy.integrate"), Imported("scipy.stats")
 
 
 def unnormalised(o: tuple[float, float]):
