@@ -61,22 +61,14 @@ def in_tmp(tmp_path, monkeypatch):
 def smoke_shards(tmp_path_factory) -> tuple[Path, Path]:
     """(shards, where quickstart@smoke expects them relative to a run's directory): its training
     data sharded once per worker, for the tests that train it where sharding is not the point
-    (each would otherwise shard the same 512 images again at the start of training)."""
+    (each would otherwise shard the same 512 images again at the start of training); copy them
+    into a test's directory with ``smoke_data.place_smoke_shards``."""
     from clipkit.app import api
 
     data = api.resolve("quickstart@smoke", [])["data"]
     directory = tmp_path_factory.mktemp("smoke-shards") / "shards"
     api.shard(data["source"], directory)
     return directory, Path(data["shards"])
-
-
-def place_smoke_shards(directory: Path, smoke_shards: tuple[Path, Path]) -> None:
-    """Copy the shards of :func:`smoke_shards` to where quickstart@smoke reads them from
-    ``directory``."""
-    import shutil
-
-    shards, relative = smoke_shards
-    shutil.copytree(shards, Path(directory) / relative)
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import warm_launch
-from conftest import place_smoke_shards
 from safetensors.torch import load_file
+from smoke_data import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.config.settings_schema import EmaConfig

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 
 from clipkit.app import api
 from clipkit.errors import ClipkitError, DataError

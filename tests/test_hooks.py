@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typer
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app

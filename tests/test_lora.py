@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.errors import ClipkitError, RecipeError

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 from typer.testing import CliRunner
 
 from clipkit.app.cli import make_app

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 from torch import nn
 
 from clipkit.app.api import resolve

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm_launch
-from conftest import place_smoke_shards
+from smoke_data import place_smoke_shards
 
 from clipkit.config.recipe import load_recipe, validate_or_raise
 from clipkit.contract.registry import default_registry
