@@ -134,6 +134,7 @@ def test_two_view_recipes_train_and_export(variant, shards, tmp_path):
     spec = "yaware" + (variant or "@tiny")
     overrides = data_overrides(shards) + [
         "model.image_encoder=vit_tiny",
+        "data.num_workers=0",  # the recipes are the point: no loader worker process to fork
         "train.steps=3",
         "train.log_every=1",
     ]
