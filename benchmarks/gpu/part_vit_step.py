@@ -54,13 +54,12 @@ with the same tiny dimensions when importable, else recorded in ``skipped``. Usa
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import itertools
 import math
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -238,16 +237,33 @@ class ClipkitSide:
         return metrics
 
 
+def torchvision_ops_fail_to_load() -> bool:
+    """torchvision is installed but its compiled ops library does not load into this torch (then
+    ``import torchvision`` fails): loaded as torchvision's own import loads it, not by importing
+    torchvision (a failed import leaves the process half set up)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return False
+    folder = Path(spec.origin).parent
+    compiled = [folder / f"_C{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    library = next((path for path in compiled if path.is_file()), None)
+    if library is None:
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:
+        return True
+    return False
+
+
 def import_open_clip():
     """open_clip, defining torchvision's two op schemas first where torchvision is installed but
     cannot import by itself (tests/interop_support.py: a CUDA torchvision on CPU torch)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, timeout=120)
-        if probe.returncode != 0:
-            library = torch.library.Library("torchvision", "DEF")
-            library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            library.define("qnms(Tensor qdets, Tensor qscores, float iou_threshold) -> Tensor")
-            import_open_clip.library = library  # keep the registration alive
+    if torchvision_ops_fail_to_load():
+        library = torch.library.Library("torchvision", "DEF")
+        library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        library.define("qnms(Tensor qdets, Tensor qscores, float iou_threshold) -> Tensor")
+        import_open_clip.library = library  # keep the registration alive
     import open_clip
 
     return open_clip
