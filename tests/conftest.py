@@ -41,6 +41,33 @@ _keep_compiled_bytecode()
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    """As the xdist controller of a run whose tests launch processes, start the warm fork server
+    (tests/warm_launch.py) here, once for both workers: it preloads while they start and collect,
+    and this process outlives them. A run of other files (or in one process) starts none here."""
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if os.environ.get("PYTEST_XDIST_WORKER") or not isinstance(workers, int) or workers < 2:
+        return
+    if config.getoption("dist", "no") == "no" or not _launches_processes(config.args):
+        return
+    import warm_launch
+
+    warm_launch.start_shared_server()
+
+
+def _launches_processes(args: list[str]) -> bool:
+    """Whether the tests named on the command line may launch processes warm: a directory may; a
+    file does when it uses warm_launch, or another test module's helpers (which may)."""
+    for arg in args or ["tests"]:
+        path = Path(arg.split("::")[0])
+        if path.is_dir():
+            return True
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        if "warm_launch" in text or "from test_" in text:
+            return True
+    return False
+
+
 @pytest.fixture
 def registry():
     """A registry built from a fresh manager holding only the built-in plugins."""

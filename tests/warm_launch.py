@@ -104,31 +104,68 @@ _context = None
 SHIMS = Path(__file__).resolve().parent / "shims"
 
 
+#: Set by the xdist controller that started a fork server for its workers: "PID:ADDRESS".
+SHARED_SERVER = "CLIPKIT_TESTS_FORK_SERVER"
+
+
 def _fork_server():
+    """The forkserver context, its server started on first use: the xdist controller's (shared by
+    its workers, see :func:`start_shared_server`) where there is one, else this process's own."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload([*PRELOAD, "warm_optional"])
-        with _server_start_environment():
-            from multiprocessing import forkserver
+        if not _attach_to_shared_server():
+            with _server_start_environment():
+                from multiprocessing import forkserver
 
-            forkserver.ensure_running()
+                forkserver.ensure_running()
     return _context
+
+
+def start_shared_server() -> None:
+    """Start the fork server in this process (the xdist controller, which outlives its workers) and
+    tell the workers where it listens (:data:`SHARED_SERVER`): one server preloads the imports for
+    both workers (~17 CPU-s each), while they start and collect."""
+    _fork_server()
+    from multiprocessing import forkserver
+
+    os.environ[SHARED_SERVER] = f"{os.getpid()}:{forkserver._forkserver._forkserver_address}"
+
+
+def _attach_to_shared_server() -> bool:
+    """Use the parent's (the xdist controller's) fork server: connect to its address, never start or
+    wait for it (it is not this process's child; the controller keeps it alive). False where there
+    is none, it is not the parent's, or multiprocessing's fork server has another shape."""
+    from multiprocessing import forkserver, resource_tracker
+
+    owner, _, address = os.environ.get(SHARED_SERVER, "").partition(":")
+    server = getattr(forkserver, "_forkserver", None)
+    if not owner.isdigit() or int(owner) != os.getppid() or not os.path.exists(address):
+        return False
+    if not all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd")):
+        return False
+    server._forkserver_address = address
+    # Handed to each child as its own fork server's "alive" pipe (used only if it started one).
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    server.ensure_running = resource_tracker.ensure_running  # the tracker is this process's own
+    return True
 
 
 @contextlib.contextmanager
 def _server_start_environment():
     """The fork server is a new interpreter started with this process's environment: for its start
     only, ``SHIMS`` leads ``PYTHONPATH`` (so ``warm_optional`` imports, and the shim's
-    ``sitecustomize`` runs) and, where torchvision cannot import, the shim defines its op schemas
-    first (tests/shims/sitecustomize.py). Every launched process still gets its test's environment."""
+    ``sitecustomize`` runs) and, where peft is installed, the shim defines torchvision's op schemas
+    first if torchvision cannot import (tests/shims/sitecustomize.py). Every launched process still
+    gets its test's environment."""
     import pytest
-    from interop_support import torchvision_is_broken
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SHIMS), os.environ.get("PYTHONPATH")])))
-        if importlib.util.find_spec("peft") is not None and torchvision_is_broken():
-            patch.setenv("CLIPKIT_TESTS_TORCHVISION_OPS", "1")
+        if importlib.util.find_spec("peft") is not None:
+            # The server decides, once it has imported torch (the xdist controller does not).
+            patch.setenv("CLIPKIT_TESTS_TORCHVISION_OPS", "auto")
         yield
 
 

@@ -2,8 +2,9 @@
 server of tests/warm_launch.py, and tests/test_lora.py's launched runs): where the installed
 torchvision cannot import (the CUDA build beside the CPU torch), define the two op schemas its
 meta-registrations look for, as tests/interop_support.py does in the test process, so transformers
-— and peft through it — import. Nothing happens unless ``CLIPKIT_TESTS_TORCHVISION_OPS=1``, nor in
-a process forked from one that defined them already (a namespace is defined once a process)."""
+— and peft through it — import. Nothing happens unless ``CLIPKIT_TESTS_TORCHVISION_OPS=1`` (or
+``auto``, and torchvision's compiled ops do not load here), nor in a process forked from one that
+defined them already (a namespace is defined once a process)."""
 
 import os
 
@@ -18,7 +19,31 @@ def _defined() -> bool:
     return True
 
 
-if os.environ.get("CLIPKIT_TESTS_TORCHVISION_OPS") == "1" and not _defined():
+def _torchvision_ops_fail_to_load() -> bool:
+    """torchvision is installed but its compiled ops library does not load into this torch (as
+    tests/interop_support.torchvision_is_broken checks)."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return False
+    folder = Path(spec.origin).parent
+    compiled = [folder / f"_C{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    library = next((path for path in compiled if path.is_file()), None)
+    try:
+        if library is not None:
+            torch.ops.load_library(str(library))
+    except OSError:
+        return True
+    return False
+
+
+_wanted = os.environ.get("CLIPKIT_TESTS_TORCHVISION_OPS")
+if (_wanted == "1" or (_wanted == "auto" and _torchvision_ops_fail_to_load())) and not _defined():
     import torch
 
     _library = torch.library.Library("torchvision", "DEF")
