@@ -11,34 +11,26 @@ it. Defining the two op *schemas* its meta-registrations look for lets the pure-
 from __future__ import annotations
 
 import functools
-import importlib.machinery
 import importlib.util
 from pathlib import Path
 
 import pytest
 
+SHIMS = Path(__file__).resolve().parent / "shims"
+
+
+def _shim():
+    """tests/shims/torchvision_ops.py (that folder is not on this process's path)."""
+    spec = importlib.util.spec_from_file_location("torchvision_ops", SHIMS / "torchvision_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 @functools.cache
 def torchvision_is_broken() -> bool:
-    """torchvision is installed but ``import torchvision`` fails: its compiled ops library does not
-    load into this torch (a CUDA build beside the CPU torch). Checked by loading that library as
-    torchvision's own import does (a millisecond), not by importing torchvision, whose failed import
-    would leave this process half set up; a subprocess importing it cost ~2.4 CPU-s a check."""
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or spec.origin is None:
-        return False
-    folder = Path(spec.origin).parent
-    compiled = [folder / f"_C{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    library = next((path for path in compiled if path.is_file()), None)
-    if library is None:
-        return False
-    import torch
-
-    try:
-        torch.ops.load_library(str(library))
-    except OSError:
-        return True
-    return False
+    """torchvision is installed but ``import torchvision`` fails (its compiled ops do not load)."""
+    return _shim().ops_fail_to_load()
 
 
 @functools.cache
@@ -46,12 +38,9 @@ def patch_torchvision_ops() -> None:
     """Define ``torchvision::nms``/``qnms`` schemas if torchvision is installed but cannot import."""
     if not torchvision_is_broken():
         return
-    import torch
-
-    library = torch.library.Library("torchvision", "DEF")
-    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    library.define("qnms(Tensor qdets, Tensor qscores, float iou_threshold) -> Tensor")
-    patch_torchvision_ops.library = library  # keep the registration alive
+    shim = _shim()
+    if not shim.defined():
+        patch_torchvision_ops.library = shim.define_schemas()  # keep the registration alive
 
 
 def installed(name: str) -> bool:
