@@ -245,8 +245,8 @@ def k_ticks(k_max: int) -> list[int]:
 
 def mark_k_ticks(axes, k_max: int) -> None:
     """Integer K ticks on a log axis, without minor ticks: they read as "Recall@5" does, where
-    matplotlib's defaults write powers of ten and draw a minor tick at every integer (a third of the
-    figure's drawing time went into laying out those)."""
+    matplotlib's defaults write powers of ten and draw a minor tick at every integer (laying out
+    those was much of the figure's drawing time)."""
     from matplotlib.ticker import NullLocator
 
     ticks = k_ticks(k_max)
