@@ -227,12 +227,29 @@ def test_open_clip_eval_preprocess_gives_identical_tensors():
 # --- the same model through both paths ----------------------------------------------------------
 
 
+def two_colour_images(count: int) -> list[Image.Image]:
+    """Seeded odd-sized images of one coloured rectangle on another colour, every other one on a dark
+    background. The noise cases all look alike to a random model (it gives them one class); these
+    differ in brightness, colour and layout, so the model tells some apart without the shared photos."""
+    rng = np.random.default_rng(7)
+    images = []
+    for i in range(count):
+        width, height = (int(side) for side in rng.integers(19, 97, size=2))
+        pixels = np.empty((height, width, 3), dtype=np.uint8)
+        pixels[:] = rng.integers(0, 32 if i % 2 == 0 else 256, size=3)
+        top, left = int(rng.integers(0, height // 2)), int(rng.integers(0, width // 2))
+        pixels[top : top + height // 2, left : left + width // 2] = rng.integers(0, 256, size=3)
+        images.append(Image.fromarray(pixels, "RGB"))
+    return images
+
+
 def class_folders(root: Path) -> str:
-    """A ``classes:`` source of odd-sized JPEGs (the synthetic cases, and the COCO photos when the
-    shared data is present) spread over three classes -> its URI."""
+    """A ``classes:`` source of odd-sized JPEGs (the synthetic cases, two-colour images, and the COCO
+    photos when the shared data is present) spread over three classes -> its URI."""
 
     photos = [Image.open(path) for path in sorted(SHARED_DATA.glob("coco-*/images/*.jpg"))]
-    for i, image in enumerate([case_image(name) for name in CASES] + photos):
+    images = [case_image(name) for name in CASES] + two_colour_images(12) + photos
+    for i, image in enumerate(images):
         folder = root / ("cat", "dog", "bus")[i % 3]
         folder.mkdir(parents=True, exist_ok=True)
         image.convert("RGB").save(folder / f"{i:03d}.jpg", quality=90)
