@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_data_path import SHARED_DATA
 
 # Tests never load third-party plugins that happen to be installed unless they ask to.
 os.environ.setdefault("CLIPKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -37,8 +38,6 @@ def _keep_compiled_bytecode() -> None:
 
 
 _keep_compiled_bytecode()
-
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def pytest_configure(config):
@@ -100,7 +99,8 @@ def smoke_shards(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def shared_data():
-    """../shared/data when present (CI has it; a user's clone does not): skip otherwise."""
+    """../shared/data when present (CI has it; a user's clone does not): skip otherwise.
+    ``CLIPKIT_TESTS_SHARED_DATA=none`` runs as if it were absent (tests/shared_data_path.py)."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA

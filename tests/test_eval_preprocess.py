@@ -29,6 +29,7 @@ from eval_preprocess_cases import (
 )
 from interop_support import import_open_clip
 from PIL import Image
+from shared_data_path import SHARED_DATA
 
 from clipkit.artifacts.loading import Preprocess
 from clipkit.data.image_modes import to_rgb
@@ -39,10 +40,6 @@ from clipkit.data.transforms import (
     decode_transformed,
     shorter_side_size,
 )
-
-#: ../shared/data (optional here: its photos are added to the cases when present). Not imported from
-#: conftest: under the whole suite `conftest` may name tests/gpu/conftest.py.
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 GOLDEN = Path(__file__).parent / "golden" / "eval_preprocess_torchvision.npz"
 

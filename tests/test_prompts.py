@@ -10,12 +10,13 @@ import string
 from pathlib import Path
 
 import pytest
+from shared_data_path import SHARED_DATA
 
 from clipkit.errors import ClipkitError
 from clipkit.plugins.evals import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = SHARED_DATA
 
 # Class counts from the datasets' own papers / CLIP's Table 9 (Caltech-101: 102 with the
 # background class, as CLIP's prompts.md and CLOOB's Table A2 count it).
