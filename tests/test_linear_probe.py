@@ -404,7 +404,7 @@ def test_sgd_task_and_fixed_l2(exported):
         ({"l2": 0.0}, "l2 must be > 0"),
         ({"epochs": 0}, "epochs must be an integer >= 1"),
         ({"limit_train": 2.5}, "limit_train must be an integer >= 1"),
-        ({"classnames": ["red", "red"]}, "duplicates"),
+        ({"classnames": ["red", "red"]}, "twice"),
     ],
 )
 def test_bad_arguments(options, message):
@@ -421,7 +421,7 @@ def test_classes_from_the_data_or_a_standard_dataset(exported):
     assert baselines["chance"] == {"top1": 0.5, "mean_per_class_recall": 0.5}
     assert 0.5 <= baselines["majority"]["top1"] < 1 and baselines["majority"]["class"] in ("small", "large")
     assert 0 <= result["mean_per_class_recall"] <= 1
-    with pytest.raises(DataError, match="not one of the 10 classes"):  # CIFAR-10's names
+    with pytest.raises(DataError, match="not among the probe.s 10 classes"):  # CIFAR-10's names
         probe(exported, dataset="cifar10", l2=1.0, limit_train=8, limit_test=8)
 
 
@@ -429,7 +429,50 @@ def test_bad_labels_and_registration(exported, registry):
     assert registry.get("eval", "linear_probe").factory is LinearProbe
     with pytest.raises(DataError, match="has no meta-data 'nope'"):
         probe(exported, label="nope")
-    with pytest.raises(DataError, match="not one of the 2 classes"):
+    with pytest.raises(DataError, match="not among the probe's 2 classes"):
         probe(exported, classnames=["red", "green"])
     with pytest.raises(DataError, match="cannot be split"):
         probe(exported, limit_train=2)
+
+
+def colour_folders(root, classes: dict[str, tuple[int, int, int]], per_class: int):
+    """``root/<class>/<i>.png``: solid colours with a little seeded noise (a ``classes:`` source)."""
+    from PIL import Image
+
+    rng = random.Random(0)
+    for name, rgb in classes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            shade = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in rgb)
+            Image.new("RGB", (32, 32), shade).save(root / name / f"{i}.png")
+    return f"classes:{root}"
+
+
+RED, BLUE, GREEN = (230, 20, 20), (20, 20, 230), (20, 230, 20)
+
+
+def test_folder_labels_are_matched_by_class_name_across_train_and_test(exported, tmp_path):
+    # A classes: folder's labels are positions in its own sorted folder names: red is 1 in
+    # {blue, red} but 0 in {red}. Matched by index, the red test images were scored as "blue".
+    train = colour_folders(tmp_path / "train", {"blue": BLUE, "red": RED}, 8)
+    red_only = colour_folders(tmp_path / "red_only", {"red": RED}, 5)
+    result = probe(exported, train=train, test=red_only, label="label", l2=1e-3)
+    assert result["num_classes"] == 2 and result["n_test"] == 5
+    assert result["baselines"]["majority"]["class"] == "red"  # names, not 0 / 1
+    assert result["top1"] == 1.0  # solid colours: the probe separates them
+    mixed = colour_folders(tmp_path / "mixed", {"green": GREEN, "red": RED}, 3)
+    with pytest.raises(DataError, match="class 'green' is not among the probe's 2 classes"):
+        probe(exported, train=train, test=mixed, label="label", l2=1e-3)
+
+
+def test_given_classnames_name_folder_classes_by_name_or_in_another_vocabulary(exported, tmp_path):
+    train = colour_folders(tmp_path / "train", {"blue": BLUE, "red": RED}, 6)
+    red_only = colour_folders(tmp_path / "red_only", {"red": RED}, 4)
+    # by name, in any order: the red folder's label 0 is classnames' index 0 here
+    result = probe(exported, train=train, test=red_only, label="label", classnames=["Red", "blue"], l2=1e-3)
+    assert result["baselines"]["majority"]["class"] == "Red" and result["top1"] == 1.0
+    # none of the names given: another vocabulary, matched by position when the counts agree
+    other = probe(exported, train=train, test=train, label="label", classnames=["c0", "c1"], l2=1e-3)
+    assert other["num_classes"] == 2 and other["top1"] == 1.0
+    with pytest.raises(DataError, match="class 'blue' is not among"):  # one of two named: refused
+        probe(exported, train=train, test=red_only, label="label", classnames=["red", "violet"])

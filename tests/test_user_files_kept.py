@@ -309,3 +309,68 @@ def test_convert_to_a_state_dict_file_replaces_a_file_only_when_asked(work, app,
     assert target.read_bytes() == b"not mine to lose"
     replaced = invoke(app, "convert", plain_clip, target, "--to", "state_dict", "--overwrite")
     assert replaced.exit_code == 0, replaced.output
+
+
+EVAL_DATA = "synthetic://shapes?n=8&seed=3"
+
+
+def eval_into(app, output):
+    """``clipkit eval`` of the run's export (retrieval on a few shapes) with its report at ``output``."""
+    return invoke(app, "eval", "run/export", "--task", "retrieval", "--data", EVAL_DATA, "--output", output)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["run/export/model.safetensors", "run/export/clipkit.json", "run/recipe.yaml", "run/metrics.jsonl"],
+)
+def test_eval_never_writes_its_report_over_a_file_that_is_not_a_report(work, app, target):
+    # `--output EXPORT/model.safetensors` used to replace the weights being evaluated with the report.
+    kept = snapshot(work / "run")
+    assert_refused(eval_into(app, target), target, "not a clipkit eval report")
+    assert snapshot(work / "run") == kept
+
+
+def test_eval_replaces_an_earlier_report_but_never_a_markdown_file_beside_a_new_one(work, app):
+    (work / "notes.md").write_text("mine")
+    assert_refused(eval_into(app, "notes.json"), "notes.md")
+    assert (work / "notes.md").read_text() == "mine" and not (work / "notes.json").exists()
+    assert_refused(invoke(app, "eval", "run/export", "--output", "r.md"), "name a .json file")
+    for _ in range(2):  # the second run replaces the first one's report and table
+        done = eval_into(app, "r.json")
+        assert done.exit_code == 0, done.output
+    assert json.loads((work / "r.json").read_text())["results"][0]["name"] == "retrieval"
+
+
+def test_report_never_writes_into_a_compared_run_a_run_or_a_file(work, app):
+    shutil.copytree(work / "run", work / "other")
+    kept = snapshot(work / "run")
+    assert_refused(invoke(app, "report", "run", "--out", "run"), "is a compared run")
+    assert_refused(invoke(app, "report", "run", "--out", "other"), "other", "not a clipkit comparison report")
+    assert_refused(invoke(app, "report", "run", "--out", "."), "contains a compared run")
+    (work / "afile").write_text("x")
+    assert_refused(invoke(app, "report", "run", "--out", "afile"), "afile", "not a directory")
+    (work / "evals").mkdir()
+    shutil.copy(work / "run" / "export" / "clipkit.json", work / "evals" / "eval.json")
+    assert_refused(invoke(app, "report", "run", "--out", "evals"), "is not a comparison")
+    for _ in range(2):  # an earlier comparison is replaced
+        done = invoke(app, "report", "run", "other", "--out", "compare")
+        assert done.exit_code == 0, done.output
+    assert (work / "compare" / "loss.png").is_file()
+    assert snapshot(work / "run") == kept and (work / "afile").read_text() == "x"
+
+
+def test_a_damaged_newest_checkpoint_is_refused_not_skipped_for_an_older_one(work, app):
+    # Checkpoints are published whole: one without state.pt is damaged. Export and resume used to
+    # take the step before it without a word.
+    older, newest = list_checkpoints(work / "run")[-2:]
+    (newest / "state.pt").unlink()
+    shutil.rmtree(work / "run" / "export")
+    refused = invoke(app, "export", "run", "out")
+    assert_refused(refused, newest.name, "damaged checkpoint", f"the one before it ({older.name})")
+    assert not (work / "out").exists()
+    resumed = invoke(app, "train", SMOKE, "--resume", "--run-dir", "run", "train.steps=3")
+    assert resumed.exit_code == 2 and "Traceback" not in resumed.output, resumed.output
+    assert f"{newest.name}: damaged checkpoint" in resumed.output.strip().splitlines()[-1]
+    # the remedy the message gives: export the earlier one (its state.pt named works too)
+    done = invoke(app, "export", "run", "out", "--checkpoint", older / "state.pt")
+    assert done.exit_code == 0, done.output

@@ -224,3 +224,50 @@ def test_the_data_class_list_of_index_labels(cifar_folder):
     # A list in another vocabulary (e.g. WordNet ids against words) is matched by index.
     ids = [f"n{i:08d}" for i in range(10)]
     assert ZeroShot("d", classnames=ids).prompts(info, samples)[0] == ids
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"classnames": ["red", "red"]}, "names 'red' twice"),
+        ({"classnames": ["blue", "Blue"]}, "the same name up to case"),
+        ({"classnames": ["sea_lion", "sea lion"]}, "the same name up to case"),
+        ({"classnames": []}, "non-empty list"),
+        ({"templates": []}, "non-empty list"),
+        ({"templates": ["a photo"]}, "has no {} for the class name"),
+        ({"templates": ["a {} photo of {}"]}, "has 2 fields"),
+        ({"templates": ["a {c} photo"]}, "has 1 fields \\['{c}'\\]"),
+        ({"templates": ["a {} photo {"]}, "not a format text"),
+    ],
+)
+def test_a_class_list_or_templates_that_cannot_tell_classes_apart_are_refused_up_front(options, message):
+    # Accepted before, they scored one class's images under another's name, or every class
+    # under the same prompt (chance-level top-1 and no word of why); some failed only after the
+    # model had loaded (IndexError, KeyError from str.format).
+    from clipkit.errors import ClipkitError
+
+    with pytest.raises(ClipkitError, match=message):
+        ZeroShot(data="classes:x", **options)
+
+
+def test_a_classnames_file_naming_a_class_twice_is_refused(tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("cat\ndog\nCat\n")
+    from clipkit.errors import ClipkitError
+
+    with pytest.raises(ClipkitError, match=r"classnames_file .*names.txt names 'Cat' and 'cat'"):
+        ZeroShot(data="classes:x", classnames_file=str(names)).file_classnames()
+
+
+def test_the_shipped_class_lists_and_templates_pass_the_checks():
+    # ImageNet's CLIP class list names two classes twice ('missile', 'sunglasses'): a shipped list
+    # is used as it is; only lists a user gives are checked for repeats.
+    from clipkit.plugins.evals import prompts
+
+    task = ZeroShot(data="classes:x", dataset="imagenet")
+    assert len(task.dataset_classnames()) == 1000
+    for style in ("clip", "clip80", "clip7", "slip", "clip_benchmark"):
+        styled = ZeroShot(data="classes:x", dataset="imagenet", templates=style)
+        assert all("{}" in template for template in styled.resolve_templates({}))
+    for name in prompts.dataset_names():
+        assert ZeroShot(data="classes:x", dataset=name).resolve_templates({})

@@ -458,10 +458,11 @@ def evaluate(
     from clipkit.artifacts.io import check_output_path
     from clipkit.eval.evaluate import evaluate_export
     from clipkit.eval.report import summarize
-    from clipkit.eval.report_index import weights_sha256
+    from clipkit.eval.report_index import check_report_target, weights_sha256
 
     if output is not None:
         check_output_path(Path(output), "eval report", file=True)  # before the long work, not after it
+        check_report_target(Path(output))  # an earlier report may be replaced, nothing else
     scored = weights_sha256(Path(export_dir)) if Path(export_dir).exists() else None
     with loading(verify=verify):  # verify=False: skip the weights' checksum (--no-verify)
         options = {"quick_gelu": quick_gelu}
@@ -516,6 +517,27 @@ def file_report(export_dir: Path, output: Path, report: dict, scored: str | None
             )
 
 
+#: What ``clipkit report`` writes into its folder: an earlier comparison may be replaced, nothing else.
+REPORT_FILES = ("loss.png", "telemetry.png", "eval.json", "eval.md", "eval-accuracy.png")
+
+
+def claim_report_folder(out: Path, runs: list[Path]) -> None:
+    """ClipkitError unless ``out`` may take a comparison: absent, empty or an earlier one (only
+    :data:`REPORT_FILES`, its eval.json a comparison); never a compared run or a folder holding
+    one, never a run or export (their eval.json, loss.png are the run's own)."""
+    from clipkit.artifacts.files import read_json
+    from clipkit.artifacts.io import Kept, OutputKind, claim_output_directory
+
+    protect = [Kept(run, "a compared run", inside=False) for run in runs]
+    remedy = "pick another folder: a new or empty one, or one an earlier `clipkit report` wrote"
+    claim_output_directory(out, OutputKind("comparison report", REPORT_FILES), protect=protect, remedy=remedy)
+    earlier = out / "eval.json"
+    if earlier.is_file():
+        kept = read_json(earlier, "comparison report", remedy)
+        if not (isinstance(kept, dict) and set(kept) == {"runs"}):
+            raise ClipkitError(f"{earlier} is not a comparison `clipkit report` wrote; {remedy}")
+
+
 def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> list[Path]:
     """Compare runs: their loss curves overlaid (``out``/loss.png), their step telemetry (samples/s
     per device, MFU, data-wait share, step split, peak memory: ``out``/telemetry.png) and, for runs
@@ -530,6 +552,7 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     runs = [Path(run) for run in runs]
     labels = unique_labels(runs)
     out = Path(out)
+    claim_report_folder(out, runs)
     check_output_path(out, "report folder")
     # A baseline evaluated without training (`clipkit eval` on an open_clip/HF directory) has an
     # eval.json but no metrics.jsonl: it joins the eval table, not the loss curves.

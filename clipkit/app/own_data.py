@@ -124,10 +124,16 @@ def data_dir() -> Path:
 
 
 def shards_for(source: str) -> str:
-    """Where the shards of ``source`` go: ``<data dir>/<file stem>-<hash of the source>``, named after
-    the file so a report or a directory listing says which table it came from."""
+    """Where the shards of ``source`` go: ``<data dir>/<file stem>-<hash>``, named after the file so a
+    report or a directory listing says which table it came from. The hash covers the source and,
+    for one local file (a table), its size and modification time: an edited table is sharded anew
+    into another folder (a run that trained on the old shards still resumes on them)."""
+    from clipkit.data.shard_writer import source_state
+
     stem = Path(source.split("?", 1)[0]).stem or "source"
-    digest = hashlib.sha1(source.encode("utf-8")).hexdigest()[:8]
+    state = source_state(source)
+    identity = source if state is None else f"{source}\0{state}"
+    digest = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:8]
     return str((data_dir() / f"{stem}-{digest}").resolve())
 
 

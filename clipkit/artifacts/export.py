@@ -177,6 +177,8 @@ def export_run(
     ``ema``: the checkpoint's weight EMA (``train.ema``) instead of the live weights. LoRA adapters
     (``model.lora``) are merged into plain weights unless ``keep_adapters``."""
     run_dir = Path(run_dir)
+    if checkpoint is not None and Path(checkpoint).name == STATE and Path(checkpoint).is_file():
+        checkpoint = Path(checkpoint).parent  # its state.pt named: the checkpoint is its folder
     protect = [
         Kept(run_dir / "recipe.yaml", "the run's recipe"),
         Kept(run_dir / "checkpoints", "the run's checkpoints"),
@@ -189,7 +191,7 @@ def export_run(
         raise ClipkitError(f"{run_dir} is not a clipkit run: recipe.yaml is missing")
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
-        raise ClipkitError(f"{run_dir}: no checkpoint to export (checkpoints/step-*.pt)")
+        raise ClipkitError(f"{run_dir}: no checkpoint to export (checkpoints/step-*)")
     recipe = read_yaml_mapping(
         recipe_path, "the run's recipe", "restore it from the run's clipkit.json or a backup"
     )

@@ -131,15 +131,26 @@ def split_tar(url: str, holdout: float) -> tuple[int, list[int]]:
     from clipkit.app.own_data import holdout_rule
 
     kept, held, rule = 0, [], holdout_rule(holdout)
-    with tarfile.open(url) as tar:
-        for member in tar:
-            name, _, field = member.name.partition(".")
-            if member.isfile() and field == "json":
-                record = tar.extractfile(member).read()
-                if rule.holds(record_key(record, name), record_meta(record)):
-                    held.append(record_index(record, name))
-                else:
-                    kept += 1
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                name, _, field = member.name.partition(".")
+                if member.isfile() and field == "json":
+                    record = tar.extractfile(member).read()
+                    if rule.holds(record_key(record, name), record_meta(record)):
+                        held.append(record_index(record, name))
+                    else:
+                        kept += 1
+    except (tarfile.TarError, OSError, EOFError) as error:
+        # As the loader does with a damaged or missing shard (it skips what it cannot read, counted
+        # as corrupt_tar / unreachable): the samples read before the damage are split, the rest lost.
+        import logging
+
+        logging.getLogger("clipkit.data").warning(
+            "%s: cannot be read whole (%s: %s); its %d sample(s) before the damage are used, the rest "
+            "skipped — `clipkit shard --verify %s` checks the set",
+            url, type(error).__name__, error, kept + len(held), Path(url).parent,
+        )  # fmt: skip
     return kept, held
 
 

@@ -121,10 +121,19 @@ class ShardSource:
         return dict(self.manifest.get("info") or {})
 
     def __iter__(self) -> Iterator[Sample]:
+        import tarfile
+
         import webdataset as wds
 
-        for record in wds.WebDataset(shard_urls(self.directory), shardshuffle=False, empty_check=False):
-            yield decode_record(record, self.directory)
+        records = wds.WebDataset(shard_urls(self.directory), shardshuffle=False, empty_check=False)
+        try:
+            for record in records:
+                yield decode_record(record, self.directory)
+        except (tarfile.TarError, OSError, EOFError) as error:  # a shard truncated, damaged or gone
+            raise DataError(
+                f"{self.directory}: a shard cannot be read whole ({type(error).__name__}: {error}); "
+                f"`clipkit shard --verify {self.directory}` names it — shard the data again"
+            ) from error
 
 
 def decode_record(record: dict[str, Any], where: Path | str) -> Sample:

@@ -207,6 +207,25 @@ def reuse_concurrent_set(out_dir: Path, source: str) -> dict[str, Any]:
     return manifest
 
 
+def source_state(source: str) -> str | None:
+    """``"<bytes>:<mtime ns>"`` of a source that is one local file (a table, a tar, an idx file),
+    the path read from its URI (``webdataset:x.tar``, ``x.csv?image=...``); None for folders, URLs
+    and generated data. A resumed shard run and a reused shard set compare it: an edited file would
+    otherwise mix two versions of the rows unseen."""
+    import re
+    import stat
+
+    path = source.split("?", 1)[0]
+    if "://" in path:
+        return None
+    path = re.sub(r"^[A-Za-z][A-Za-z0-9+.-]+:", "", path)  # a scheme prefix: webdataset:, idx:, ...
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return f"{status.st_size}:{status.st_mtime_ns}" if stat.S_ISREG(status.st_mode) else None
+
+
 class ResumableWriter:
     """One shard set being written; see the module docs for the on-disk protocol."""
 
@@ -230,7 +249,7 @@ class ResumableWriter:
             "max_shard_bytes": max_shard_bytes,
             "settings": json.loads(json.dumps(settings, default=str)),
         }
-        self.source = source
+        self.source, self.source_state = source, source_state(source)
         self.samples_per_shard, self.max_shard_bytes = samples_per_shard, max_shard_bytes
         self.shards: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
@@ -259,6 +278,12 @@ class ResumableWriter:
                 f"({json.dumps(journal.get('identity'))}); rerun with those arguments to finish it, "
                 f"or delete {self.partial} to start over"
             )
+        if "source_state" in journal and journal["source_state"] != self.source_state:
+            raise DataError(
+                f"{self.source} changed since {self.partial} was started (its size or modification time "
+                f"differs); finishing it would mix rows of two versions: delete {self.partial} to shard "
+                "the source from the start"
+            )
         self.shards, self.state = list(journal["shards"]), dict(journal.get("state") or {})
         self.fields = set(journal.get("fields") or [])
         listed = {shard["name"] for shard in self.shards} | {JOURNAL}
@@ -272,6 +297,7 @@ class ResumableWriter:
         journal = {
             "format": JOURNAL_FORMAT,
             "identity": self.identity,
+            "source_state": self.source_state,
             "shards": self.shards,
             "state": self.state,
             "fields": sorted(self.fields),

@@ -88,6 +88,48 @@ def next_report_path(source: Path, tasks: list[dict] | None, now: float | None =
     raise ClipkitError(f"{home}: no free report name for {stem}; pass --output")
 
 
+#: An eval report is a few kilobytes (a big suite's, a few megabytes); a larger file is not one.
+MAX_REPORT_BYTES = 64 * 2**20
+
+
+def check_report_target(path: Path) -> None:
+    """ClipkitError unless an eval report may be written at ``path``: absent, empty (a name claimed
+    for a report) or an earlier clipkit eval report; never a file of another kind (the weights or
+    clipkit.json of the export being evaluated, a run's recipe.yaml or metrics.jsonl, a user's
+    notes), and never over a Markdown file beside it (``.md``) that is not an earlier report's table.
+    Checked before any work."""
+    path = Path(path)
+    if path.suffix.lower() == ".md":
+        raise ClipkitError(f"eval report {path}: name a .json file (its Markdown table is written beside it)")
+    earlier = is_eval_report_file(path)
+    if path.is_file() and path.stat().st_size > 0 and not earlier:
+        raise ClipkitError(
+            f"eval report {path}: the file exists and is not a clipkit eval report; it is never "
+            "replaced — pick another path (a new .json name)"
+        )
+    markdown = path.with_suffix(".md")
+    if (markdown.exists() or markdown.is_symlink()) and not earlier:
+        raise ClipkitError(
+            f"eval report {path}: {markdown} exists and is not the table of an earlier report at {path}; "
+            "it is never replaced — pick another path"
+        )
+
+
+def is_eval_report_file(path: Path) -> bool:
+    """Whether ``path`` is a JSON object with a ``results`` list (a clipkit eval report), read only
+    when it is small and starts like one (never a weights file read whole)."""
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_REPORT_BYTES:
+            return False
+        with open(path, "rb") as file:
+            if file.read(64).lstrip()[:1] != b"{":
+                return False
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and isinstance(report.get("results"), list)
+
+
 def release_claim(path: Path) -> None:
     """Remove a claimed report path that no report was written to (still empty)."""
     path = Path(path)

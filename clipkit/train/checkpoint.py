@@ -169,11 +169,14 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """The checkpoints of a run (``checkpoints/step-*``), oldest first. Every one was published
+    whole (:func:`save_checkpoint` renames a finished directory), so one without ``state.pt`` is
+    damaged and listed too: resume and export refuse it (:func:`load_state`) rather than fall back
+    to an older step unseen."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name) and (p / STATE).is_file())
+    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name) and p.is_dir())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -189,13 +192,26 @@ def load_state(path: Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not (path / STATE).is_file():
-        raise ArtifactError(f"{path}: not a checkpoint ({STATE} is missing); resume from another one")
+        raise ArtifactError(f"{path}: damaged checkpoint: its {STATE} is missing{earlier_remedy(path)}")
     if policy().verify:
         verify_checkpoint(path)
     partitions.check_files(path)
     dcp_files.check_files(path)
     state = load_file(path / STATE, "checkpoint state")
     return check_state(state, path / STATE)
+
+
+def earlier_remedy(path: Path) -> str:
+    """What a user can do about a damaged checkpoint ``path`` of a run: the step before it, if any."""
+    if not PATTERN.match(path.name):
+        return "; pass a checkpoint directory (checkpoints/step-*)"
+    earlier = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    if not earlier:
+        return "; the run has no earlier checkpoint"
+    return (
+        f"; to go on from the one before it ({earlier[-1].name}), move {path.name} out of {path.parent} "
+        f"(or export that one with --checkpoint {earlier[-1]})"
+    )
 
 
 def check_state(state: Any, file: Path) -> dict[str, Any]:

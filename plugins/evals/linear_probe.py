@@ -20,12 +20,20 @@ See :mod:`clipkit.plugins.evals.linear_probe_fit` for the math.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from clipkit.contract.types import Sample, optional_member
 from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import load_samples
 from clipkit.eval.metrics import class_baselines, classification_scores
+from clipkit.plugins.evals.class_labels import (
+    check_given_classnames,
+    described_labels,
+    is_index,
+    shown,
+    squash,
+)
 
 PROTOCOLS = ("lbfgs", "sgd")
 
@@ -39,7 +47,9 @@ class LinearProbe:
     (``clipkit.plugins.evals.prompts``, as
     ``zero_shot``; ``dataset`` also names the result in reports), else the train (or test) source's
     ``info()`` label classes, else the sorted distinct label values of train + test. A label value
-    may be a class name or, with known classes, its integer index (as ``zero_shot``).
+    may be a class name or, with known classes, its integer index (as ``zero_shot``); the index
+    labels of a source that names its classes (a ``classes:`` folder) are matched across train and
+    test by those names (:func:`translation`), so a test folder may hold a subset of the classes.
     ``standardize`` z-scores each feature with the statistics of the samples the classifier is
     fitted on (off by default, as CLIP's probe).
     ``max_iter`` bounds each L-BFGS fit (CLIP: 1000); ``epochs``, ``lr`` and ``sgd_batch_size``
@@ -92,8 +102,8 @@ class LinearProbe:
         ):
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
                 raise ClipkitError(f"linear_probe: {name} must be an integer >= 1, got {value!r}")
-        if classnames is not None and len(set(classnames)) != len(classnames):
-            raise ClipkitError(f"linear_probe: classnames has duplicates: {classnames!r}")
+        if classnames is not None:
+            check_given_classnames("linear_probe", classnames)
         self.train, self.test, self.label, self.classnames = train, test, label, classnames
         self.dataset = dataset
         self.features, self.protocol, self.standardize = features, protocol, bool(standardize)
@@ -107,9 +117,11 @@ class LinearProbe:
 
         train_samples, train_info = load_samples(self.train, self.limit_train, registry=registry)
         test_samples, test_info = load_samples(self.test, self.limit_test, registry=registry)
-        classes = self.class_list(train_info, test_info, train_samples + test_samples)
-        y_train = self.class_indices(train_samples, classes, self.train)
-        y_test = self.class_indices(test_samples, classes, self.test)
+        train = self.source_labels(train_samples, train_info, self.train)
+        test = self.source_labels(test_samples, test_info, self.test)
+        classes = self.class_list(train, test)
+        y_train = self.class_indices(train, classes)
+        y_test = self.class_indices(test, classes)
         projection = (
             projection_module_name(model.image_encoder) if self.features == "pre_projection" else None
         )
@@ -188,44 +200,54 @@ class LinearProbe:
 
         return Standardizer.fit(features) if self.standardize else Standardizer.identity(features)
 
-    def class_list(self, train_info: dict, test_info: dict, samples: list[Sample]) -> list:
+    def source_labels(self, samples: list[Sample], info: dict, data: str) -> SourceLabels:
+        """Each sample's label value, and the class names the source gives its index labels (a
+        ``classes:`` folder's own sorted folder names: label 0 of one folder need not be label 0 of
+        another, so train and test are matched by these names)."""
+        values = [self.label_value(sample, data) for sample in samples]
+        for sample, value in zip(samples, values, strict=True):
+            if not isinstance(value, Hashable):
+                raise DataError(
+                    f"{data}: sample {sample.key!r}: {self.label}={value!r} cannot be a class (not a scalar)"
+                )
+        named = described_labels(info, samples, self.label).get("classes")
+        return SourceLabels(data, [s.key for s in samples], values, list(named) if named else None)
+
+    def class_list(self, train: SourceLabels, test: SourceLabels) -> list:
+        """The probe's classes: ``classnames``, a ``dataset``'s, the train (else test) source's own
+        class names, else the sorted distinct label values of train + test."""
         if self.classnames:
             return list(self.classnames)
         if self.dataset is not None:
             from clipkit.plugins.evals import prompts
 
             return prompts.classnames(self.dataset)
-        for info in (train_info, test_info):
-            described = ((info.get("labels") or {}).get(self.label) or {}).get("classes")
-            if described:
-                return list(described)
-        values = set()
-        for sample in samples:
-            value = self.label_value(sample, self.train)
-            try:
-                values.add(value)
-            except TypeError:
-                raise DataError(
-                    f"sample {sample.key!r}: {self.label}={value!r} cannot be a class (not a scalar)"
-                ) from None
+        for source in (train, test):
+            if source.named:
+                return list(source.named)
+        values = set(train.values) | set(test.values)
         return sorted(values, key=lambda v: (type(v).__name__, v))
 
-    def class_indices(self, samples: list[Sample], classes: list, data: str):
-        """[N] long class index of each sample (a class name, or an integer index into ``classes``
-        when the classes were given or described by the source)."""
+    def class_indices(self, source: SourceLabels, classes: list):
+        """[N] long class index into ``classes`` of each sample: a class name looked up, an index
+        label translated through its source's own class names (:func:`translation`), or, where the
+        source names none, an integer index into ``classes`` (given or described classes)."""
         import torch
 
         lookup = {name: i for i, name in enumerate(classes)}
+        translate = translation(source, classes) if source.named else None
         indices = []
-        for sample in samples:
-            value = self.label_value(sample, data)
-            index = lookup.get(value) if isinstance(value, Hashable) else None
-            if index is None and isinstance(value, int) and not isinstance(value, bool):
-                index = value if 0 <= value < len(classes) else None
+        for key, value in zip(source.keys, source.values, strict=True):
+            if translate is not None and is_index(value):
+                index = translate[value] if 0 <= value < len(translate) else None
+            else:
+                index = lookup.get(value)
+                if index is None and source.named is None and is_index(value):
+                    index = value if 0 <= value < len(classes) else None
             if index is None:
                 raise DataError(
-                    f"{data}: sample {sample.key!r} has {self.label}={value!r}, not one of the "
-                    f"{len(classes)} classes"
+                    f"{source.data}: sample {key!r} has {self.label}={value!r}, not one of the "
+                    f"{len(classes)} classes ({shown(classes, 10)})"
                 )
             indices.append(index)
         return torch.tensor(indices, dtype=torch.long)
@@ -235,6 +257,38 @@ class LinearProbe:
         if value is None:
             raise DataError(f"{data}: sample {sample.key!r} has no meta-data {self.label!r}")
         return value
+
+
+@dataclass(frozen=True)
+class SourceLabels:
+    """One source's samples' label values: ``named``, the class names its index labels refer to
+    (None where the source names none)."""
+
+    data: str
+    keys: list[str]
+    values: list
+    named: list | None
+
+
+def translation(source: SourceLabels, classes: list) -> list[int]:
+    """Index in ``source.named`` -> index in ``classes``: by name (compared loosely, in any order;
+    a test folder may hold a subset of the train folder's classes), or, where none of the names is
+    among ``classes`` and the counts agree, by position (another vocabulary, e.g. WordNet ids
+    against words, as ``zero_shot``). A source naming some classes the probe lacks is refused: its
+    labels would be scored against the wrong classes."""
+    position = {squash(name): i for i, name in enumerate(classes)}
+    found = [position.get(squash(name)) for name in source.named]
+    if all(index is not None for index in found):
+        return found
+    missing = [name for name, index in zip(source.named, found, strict=True) if index is None]
+    if len(missing) == len(found) and len(found) == len(classes):
+        return list(range(len(classes)))
+    raise DataError(
+        f"{source.data}: {'class' if len(missing) == 1 else 'classes'} {shown(missing, 10)} "
+        f"{'is' if len(missing) == 1 else 'are'} not among the probe's {len(classes)} classes "
+        f"({shown(classes, 10)}); evaluate on data of the train set's classes, or give `classnames` "
+        "covering both"
+    )
 
 
 def choose(name: str, value, choices: tuple) -> None:

@@ -29,6 +29,13 @@ from clipkit.eval.evaluate import (
     mean_and_std,
 )
 from clipkit.eval.metrics import class_baselines, classification_scores
+from clipkit.plugins.evals.class_labels import (
+    check_given_classnames,
+    check_templates,
+    described_labels,
+    shown,
+    squash,
+)
 
 
 class ZeroShot:
@@ -77,6 +84,11 @@ class ZeroShot:
         self.training_data, self.min_class_samples = training_data, int(min_class_samples)
         if self.min_class_samples < 1:
             raise ValueError(f"min_class_samples must be >= 1, got {min_class_samples}")
+        # Checked here, before a model loads: an empty list would fall back to the defaults unseen.
+        if classnames is not None:
+            check_given_classnames("zero_shot", classnames)
+        if templates is not None and not isinstance(templates, str):
+            check_templates("zero_shot", templates)
 
     def __call__(self, model, registry) -> dict:
         samples, info = load_samples(self.data, self.limit, registry=registry)
@@ -142,26 +154,9 @@ class ZeroShot:
         return classnames, self.resolve_templates(described)
 
     def data_labels(self, info: dict, samples=()) -> dict:
-        """What the source says about the classes its ``label`` values refer to: its own entry for
-        ``label`` (``info()["labels"][label]``), or, for index labels, the entry whose class names the
-        samples carry beside the index (``classes:``, ``idx:`` and tar sets: ``label`` = index into
-        ``labels["class"]["classes"]``, ``class`` = that name); {} where the source says nothing."""
-        labels = info.get("labels") or {}
-        if labels.get(self.label):
-            return labels[self.label]
-        for key, entry in labels.items():
-            classes = (entry or {}).get("classes") or []
-            if (
-                key != self.label
-                and classes
-                and samples
-                and all(
-                    names_index(sample.meta.get(self.label), sample.meta.get(key), classes)
-                    for sample in samples
-                )
-            ):
-                return entry
-        return {}
+        """What the source says about the classes its label values refer to
+        (:func:`~clipkit.plugins.evals.class_labels.described_labels`)."""
+        return described_labels(info, samples, self.label)
 
     def given_source(self) -> str:
         if self.classnames:
@@ -215,7 +210,7 @@ class ZeroShot:
         names = [line.strip() for line in lines if line.strip()]
         if not names:
             raise DataError(f"{self.classnames_file}: classnames_file holds no class names")
-        return names
+        return check_given_classnames("zero_shot", names, f"classnames_file {self.classnames_file}")
 
     def prompt_names(self, classnames: list) -> list[str]:
         """The text of each class in prompts: ``prompt_map[value]`` where given, else the name itself."""
@@ -231,6 +226,15 @@ class ZeroShot:
         return prompts.classnames(self.dataset)
 
     def resolve_templates(self, described: dict) -> list[str]:
+        """The templates by precedence (task, ``dataset``, the source's, ``{}``), each checked."""
+        return check_templates("zero_shot", self.templates_by_precedence(described), self.templates_source())
+
+    def templates_source(self) -> str:
+        if self.templates is not None:
+            return f"templates {self.templates}" if isinstance(self.templates, str) else "templates"
+        return f"dataset {self.dataset!r}'s templates" if self.dataset else f"{self.data}'s templates"
+
+    def templates_by_precedence(self, described: dict) -> list[str]:
         if isinstance(self.templates, str) and Path(self.templates).is_file():
             return read_templates(self.templates)
         if isinstance(self.templates, str):
@@ -265,24 +269,6 @@ class ZeroShot:
                 f"the classes are {shown(classnames)} (or their indices 0-{len(classnames) - 1})"
             )
         return classnames.index(value)
-
-
-def shown(names: list, most: int = 20) -> str:
-    """The first ``most`` names, quoted, and how many there are in all where that is more."""
-    text = ", ".join(map(repr, names[:most]))
-    return text + (f", ... ({len(names)} in all)" if len(names) > most else "")
-
-
-def squash(name) -> str:
-    """A class name compared without case, ``_``, ``-`` or repeated spaces."""
-    return " ".join(str(name).lower().replace("_", " ").replace("-", " ").split())
-
-
-def names_index(index, name, classes: list) -> bool:
-    """Whether ``index`` is an index into ``classes`` that names ``name``."""
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(classes):
-        return False
-    return name == classes[index]
 
 
 def read_text(path: str, option: str) -> str:
