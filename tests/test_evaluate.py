@@ -450,3 +450,31 @@ def test_zero_shot_and_retrieval_score_every_similarity(spec, tmp_path):
         first, second = (image_text_logits(model, images, texts, seed=seed) for seed in (0, 1))
         assert not torch.equal(first, second)
         assert torch.equal(first, image_text_logits(model, images, texts, seed=0))
+
+
+@pytest.mark.parametrize(
+    "task, options, message",
+    [
+        ("retrieval", {"ks": [0]}, r"ks\[0\] must be an integer >= 1, got 0"),
+        ("retrieval", {"ks": []}, "ks must list the K"),
+        ("retrieval", {"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ("retrieval", {"limit": -1}, "limit must be an integer >= 1"),
+        ("zero_shot", {"feature_seeds": 0}, "feature_seeds must be an integer >= 1"),
+        ("zero_shot", {"limit": 2.5}, "limit must be an integer >= 1"),
+        ("diagnostics", {"batch_size": True}, "batch_size must be an integer >= 1"),
+    ],
+)
+def test_counts_of_eval_tasks_are_checked_when_the_task_is_built(registry, task, options, message):
+    # Before: R@0 reported as 0.0000, `ks: []` fell back to the defaults, batch_size 0 failed
+    # with range()'s ValueError after the model loaded, limit -1 read as "no samples".
+    from clipkit.model import build_slot
+
+    with pytest.raises(ClipkitError, match=message):
+        build_slot(registry, "eval", {"name": task, "data": "synthetic://shapes?n=4", **options}, "eval.0")
+
+
+def test_retrieval_reports_each_k_once_in_the_order_given(registry):
+    from clipkit.model import build_slot
+
+    task = build_slot(registry, "eval", {"name": "retrieval", "data": "x", "ks": [5, 1, 5]}, "eval.0")
+    assert task.ks == [5, 1]

@@ -356,6 +356,9 @@ def test_report_never_writes_into_a_compared_run_a_run_or_a_file(work, app):
         done = invoke(app, "report", "run", "other", "--out", "compare")
         assert done.exit_code == 0, done.output
     assert (work / "compare" / "loss.png").is_file()
+    # a metric no run logged: named with those they did log, nothing written (an empty plot before)
+    assert_refused(invoke(app, "report", "run", "--metric", "nosuch", "--out", "m"), "'nosuch'", "loss, ")
+    assert not (work / "m").exists()
     assert snapshot(work / "run") == kept and (work / "afile").read_text() == "x"
 
 

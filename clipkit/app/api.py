@@ -546,7 +546,12 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
     (``out``/eval.json, .md, plots). A directory with a report but no ``metrics.jsonl`` (an evaluated
     baseline) joins only the eval table; so does a CLIP_benchmark result JSON file."""
     from clipkit.artifacts.io import check_output_path
-    from clipkit.eval.report import plot_loss_curves, telemetry_metrics, write_comparison
+    from clipkit.eval.report import (
+        check_metrics_logged,
+        plot_loss_curves,
+        telemetry_metrics,
+        write_comparison,
+    )
     from clipkit.eval.report_index import read_eval_report, read_eval_reports
 
     runs = [Path(run) for run in runs]
@@ -561,6 +566,8 @@ def report(runs: list[Path], out: Path, *, metrics: list[str] | None = None) -> 
         for label, run in zip(labels, runs, strict=True)
         if (run / "metrics.jsonl").is_file() or read_eval_report(run) is None
     }
+    if metrics and curves:
+        check_metrics_logged(curves, metrics)  # before anything is written
     written = [plot_loss_curves(curves, out / "loss.png", metrics or ["loss"])] if curves else []
     telemetry = telemetry_metrics(curves)  # samples/s per device, MFU, data wait, step split, memory
     if telemetry:

@@ -113,6 +113,15 @@ def embed_points(model: ContrastiveModel, points: PointSet) -> tuple[torch.Tenso
     return (points.mean(), False) if vector is None else (vector, True)
 
 
+def require_counts(task: str, **values) -> None:
+    """ClipkitError naming the task's argument unless each value given (not None) is an integer
+    >= 1 (``limit``, ``batch_size``, ``feature_seeds``): checked when the task is built, before a
+    model loads, instead of a ``range()`` error or "no samples" later."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ClipkitError(f"{task}: {name} must be an integer >= 1, got {value!r}")
+
+
 def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:
     """All samples (up to ``limit``) and the info of the source at ``data``."""
     source = open_source(data, pm=registry.pm)

@@ -341,12 +341,37 @@ TELEMETRY_METRICS = (
 
 def telemetry_metrics(runs: dict[str, Path]) -> list[str]:
     """The telemetry fields any of ``runs`` logged, in :data:`TELEMETRY_METRICS` order."""
+    logged = logged_metrics(runs)
+    return [metric for metric in TELEMETRY_METRICS if metric in logged]
+
+
+def logged_metrics(runs: dict[str, Path]) -> set[str]:
+    """Every field any of ``runs`` logged in its metrics.jsonl."""
     logged: set[str] = set()
     for run_dir in runs.values():
         file = Path(run_dir) / "metrics.jsonl"
         if file.is_file():
             logged.update(key for record in read_metrics(file) for key in record)
-    return [metric for metric in TELEMETRY_METRICS if metric in logged]
+    return logged
+
+
+def check_metrics_logged(runs: dict[str, Path], metrics: Sequence[str]) -> None:
+    """ClipkitError naming each of ``metrics`` (asked for with ``clipkit report --metric``) that no
+    run logged as a number, and what they did log (an empty plot otherwise)."""
+    plotted = {
+        key
+        for run_dir in runs.values()
+        if (Path(run_dir) / "metrics.jsonl").is_file()
+        for record in read_metrics(Path(run_dir) / "metrics.jsonl")
+        for key, value in record.items()
+        if isinstance(value, float)
+    }
+    unknown = [metric for metric in metrics if metric not in plotted]
+    if unknown:
+        raise ClipkitError(
+            f"no run logged {', '.join(map(repr, unknown))} as a number against step; they logged: "
+            f"{', '.join(sorted(plotted)) or 'nothing'}"
+        )
 
 
 def comparison_rows(reports: dict[str, dict]) -> list[tuple[str, str, dict[str, str]]]:

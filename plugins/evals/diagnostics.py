@@ -19,7 +19,7 @@ from torch import Tensor
 
 from clipkit.contract.types import PointSet
 from clipkit.errors import DataError
-from clipkit.eval.evaluate import embed_points, encode_images, encode_texts, load_samples
+from clipkit.eval.evaluate import embed_points, encode_images, encode_texts, load_samples, require_counts
 from clipkit.plugins.evals import diagnostic_stats as diagnostics
 
 CAPTION_CHOICES = ("first", "random")
@@ -50,6 +50,7 @@ class Diagnostics:
         t: float = 2.0,
         spectrum: bool = False,
     ) -> None:
+        require_counts("diagnostics", limit=limit, batch_size=batch_size)
         if caption not in CAPTION_CHOICES:
             raise ValueError(f"caption must be one of {CAPTION_CHOICES}, got {caption!r}")
         if embedding not in EMBEDDING_CHOICES:

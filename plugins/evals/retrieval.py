@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from clipkit.errors import DataError
+from clipkit.errors import ClipkitError, DataError
 from clipkit.eval.evaluate import (
     encode_images,
     encode_texts,
@@ -24,6 +24,7 @@ from clipkit.eval.evaluate import (
     image_text_logits,
     load_samples,
     mean_and_std,
+    require_counts,
 )
 
 from .recall import (  # noqa: F401 — re-exported: the recall maths is part of this task's interface
@@ -59,8 +60,14 @@ class Retrieval:
         batch_size: int = 256,
         training_data: str | None = None,
     ) -> None:
+        require_counts("retrieval", limit=limit, batch_size=batch_size, feature_seeds=feature_seeds)
+        if ks is not None:  # an empty list would fall back to the defaults unseen; R@0 is always 0
+            ks = list(ks) if isinstance(ks, Sequence) and not isinstance(ks, str) else [ks]
+            require_counts("retrieval", **{f"ks[{i}]": k for i, k in enumerate(ks)})
+            if not ks:
+                raise ClipkitError("retrieval: ks must list the K of Recall@K (integers >= 1), got []")
         self.data, self.limit, self.batch_size = data, limit, batch_size
-        self.ks = [int(k) for k in (ks or [1, 5, 10])]
+        self.ks = list(dict.fromkeys(int(k) for k in (ks or [1, 5, 10])))  # each K once, as given
         self.feature_seeds = feature_seeds
         self.training_data = training_data
 

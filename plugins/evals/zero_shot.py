@@ -27,6 +27,7 @@ from clipkit.eval.evaluate import (
     image_text_logits,
     load_samples,
     mean_and_std,
+    require_counts,
 )
 from clipkit.eval.metrics import class_baselines, classification_scores
 from clipkit.plugins.evals.class_labels import (
@@ -85,6 +86,7 @@ class ZeroShot:
         if self.min_class_samples < 1:
             raise ValueError(f"min_class_samples must be >= 1, got {min_class_samples}")
         # Checked here, before a model loads: an empty list would fall back to the defaults unseen.
+        require_counts("zero_shot", limit=limit, batch_size=batch_size, feature_seeds=feature_seeds)
         if classnames is not None:
             check_given_classnames("zero_shot", classnames)
         if templates is not None and not isinstance(templates, str):
