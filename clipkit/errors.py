@@ -46,6 +46,11 @@ class RecipeError(ClipkitError):
         super().__init__(f"{what} has {len(errors)} error(s):\n{lines}")
 
 
+class SlotArgumentError(ClipkitError, ValueError):
+    """A plugin's factory refused the arguments a recipe slot gave it (its ValueError, named with
+    the slot); still a ValueError for code that catches the factory's own."""
+
+
 class DataError(ClipkitError):
     """Bad input data; the message names the file, key or sample."""
 

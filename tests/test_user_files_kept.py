@@ -377,3 +377,42 @@ def test_a_damaged_newest_checkpoint_is_refused_not_skipped_for_an_older_one(wor
     # the remedy the message gives: export the earlier one (its state.pt named works too)
     done = invoke(app, "export", "run", "out", "--checkpoint", older / "state.pt")
     assert done.exit_code == 0, done.output
+
+
+def last_line(result) -> str:
+    return result.output.strip().splitlines()[-1]
+
+
+def test_a_refused_resume_leaves_the_runs_recipe_as_it_was(work, app):
+    # The recipe with the launch's overrides was saved before the checkpoint loaded: a refused
+    # resume (EMA asked of a run without it) made every later plain --resume fail the same way.
+    kept = (work / "run" / "recipe.yaml").read_bytes()
+    refused = invoke(
+        app, "train", SMOKE, "--resume", "--run-dir", "run", "train.ema.decay=0.9", "train.steps=3"
+    )
+    assert refused.exit_code == 2 and "holds no EMA weights" in last_line(refused), refused.output
+    assert (work / "run" / "recipe.yaml").read_bytes() == kept
+    resumed = invoke(app, "train", SMOKE, "--resume", "--run-dir", "run", "train.steps=3")
+    assert resumed.exit_code == 0, resumed.output
+    assert "steps: 3" in (work / "run" / "recipe.yaml").read_text()  # an accepted resume's recipe is saved
+
+
+def test_resuming_with_another_optimizer_is_refused_before_a_step(work, app):
+    # AdamW's saved groups were loaded into SGD, which failed in its first step (KeyError: 'momentum').
+    kept = (work / "run" / "recipe.yaml").read_bytes()
+    refused = invoke(
+        app, "train", SMOKE, "--resume", "--run-dir", "run", "optimizer.name=sgd", "train.steps=3"
+    )
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+    assert "another optimiser's than SGD" in last_line(refused) and "'momentum'" in last_line(refused)
+    assert (work / "run" / "recipe.yaml").read_bytes() == kept
+
+
+def test_a_run_directory_that_is_a_file_and_a_size_an_encoder_refuses_are_one_line(work, app):
+    (work / "afile").write_text("x")
+    assert_refused(invoke(app, "train", SMOKE, "--run-dir", "afile"), "afile", "is a file, not a directory")
+    assert (work / "afile").read_text() == "x"
+    # a factory's ValueError (the CLIP ResNet needs a multiple of 32 px) names the slot, no traceback
+    refused = invoke(app, "train", SMOKE, "model.image_encoder.name=rn_tiny", "--run-dir", "rn")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+    assert "model.image_encoder (rn_tiny): image_size must be a positive multiple of 32" in last_line(refused)

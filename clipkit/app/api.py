@@ -237,7 +237,7 @@ def _train(spec, overrides, *, run_dir, resume, registry, progress, own_data=Non
         run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
     from clipkit.artifacts.io import check_output_path
 
-    check_output_path(Path(run_dir), "run directory")  # a file in the way, a read-only disk: now
+    check_output_path(Path(run_dir), "run directory", directory=True)  # a file in the way, read-only: now
     with run_directory_lock(run_dir, enabled=launched_as_main()):
         if section(recipe, "train").export and launched_as_main():
             # Refused now, not after training: an export folder holding files clipkit did not write.
@@ -285,11 +285,13 @@ def _release_launch_objects() -> None:
 def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool) -> TrainResult:
     from clipkit.app.watch import watching
     from clipkit.config.recipe import section
-    from clipkit.train.build import build_trainer
+    from clipkit.train.build import accept_resumed_recipe, build_trainer
     from clipkit.train.loop import train_loop
     from clipkit.train.stop import handling_signals
 
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
+    if resume:
+        accept_resumed_recipe(recipe, run_dir)  # only now: a refused resume leaves recipe.yaml as it was
     with watching(trainer) as events:  # on_run_start / on_evals / on_run_end (trackers)
         with handling_signals():  # SIGTERM/SIGINT: checkpoint after the step, then TrainingStopped
             metrics = train_loop(trainer, progress=progress)

@@ -306,7 +306,14 @@ def parse_split(text: str) -> tuple[str, float]:
         fraction = -1.0
     if not sep or not name.strip() or name.strip() == "train" or not 0 < fraction < 1:
         raise ClipkitError(f"--split {text!r}: expected NAME=FRACTION with 0 < FRACTION < 1, e.g. val=0.05")
-    return name.strip(), fraction
+    name = name.strip()
+    # The name is a folder made inside OUT: never a path out of it ("../x", "/abs", "a/b").
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ClipkitError(
+            f"--split {text!r}: the name {name!r} becomes a folder inside the output; use letters, "
+            "digits, '.', '_' and '-' (starting with a letter or digit), e.g. val=0.05"
+        )
+    return name, fraction
 
 
 class SplitPart:

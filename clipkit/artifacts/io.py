@@ -328,15 +328,19 @@ def claim_output_directory(
         )
 
 
-def check_output_path(path: Path | str, what: str = "output", *, file: bool = False) -> None:
+def check_output_path(
+    path: Path | str, what: str = "output", *, file: bool = False, directory: bool = False
+) -> None:
     """The one check of an output path before any work starts: every existing part of ``path``
     above it is a directory, and the directory it will be created in (or ``path`` itself, when it
     is an existing directory) accepts a new file. A ClipkitError naming the path otherwise — a file
     where a folder is needed (``file.txt/sub``), a read-only folder or file system; with ``file``,
-    a directory where the file is to be written."""
+    a directory where the file is to be written; with ``directory``, a file where the folder is to be."""
     path = Path(path)
     if file and path.is_dir():
         raise ClipkitError(f"{what} {path} is a directory; name a file to write")
+    if directory and path.exists() and not path.is_dir():
+        raise ClipkitError(f"{what} {path} is a file, not a directory; pick another path")
     probe = path if path.is_dir() else path.parent
     missing = []
     while not probe.exists():

@@ -21,7 +21,7 @@ from clipkit.contract.registry import Registry
 from clipkit.contract.types import PointSet
 from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
-from clipkit.errors import ClipkitError
+from clipkit.errors import ClipkitError, SlotArgumentError
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}
 
@@ -80,6 +80,10 @@ def build_slot(registry: Registry, kind: str, config: dict, where: str, /, *args
     kwargs.update({k: v for k, v in available.items() if k in parameters})
     try:
         return entry.factory(*args, **kwargs)
+    except ValueError as error:
+        # A factory refusing its arguments (the convention for plugins): one line naming the slot,
+        # e.g. an encoder whose image size the recipe cannot give it, not a traceback.
+        raise SlotArgumentError(f"{where} ({config['name']}): {error}") from error
     except (MemoryError, RuntimeError) as error:
         if not is_allocation_failure(error):
             raise

@@ -349,11 +349,20 @@ class BatchedDeviceAugment:
 
 
 def prepare_run_dir(recipe: dict, run_dir: Path, *, resume: bool) -> None:
-    """Create the run directory and save the resolved recipe (refuses to overwrite a run)."""
+    """Create the run directory and save the resolved recipe (refuses to overwrite a run). A
+    resumed run's recipe (with this launch's overrides) is saved only once its checkpoint has loaded
+    (:func:`accept_resumed_recipe`): a refused resume leaves the run's recipe.yaml as it was."""
     run_dir = Path(run_dir)
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ClipkitError(
             f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_recipe(recipe, run_dir / "recipe.yaml")
+    if not resume:
+        save_recipe(recipe, run_dir / "recipe.yaml")
+
+
+def accept_resumed_recipe(recipe: dict, run_dir: Path) -> None:
+    """Save a resumed run's recipe, overrides included, after its checkpoint loaded into the
+    trainer this recipe built (:func:`build_trainer`)."""
+    save_recipe(recipe, Path(run_dir) / "recipe.yaml")

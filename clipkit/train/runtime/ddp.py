@@ -161,11 +161,29 @@ def load_full_state(model, optimizer, state: dict, checkpoint: Path) -> None:
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        check_optimizer_kind(optimizer, checkpoint)
     except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as error:
         raise ArtifactError(
             f"{Path(checkpoint) / 'state.pt'}: its model weights do not fit the recipe's model "
             f"({first_line(error)}); resume with the recipe the run was trained with"
         ) from error
+
+
+def check_optimizer_kind(optimizer, checkpoint: Path) -> None:
+    """ArtifactError unless the loaded groups hold every setting ``optimizer`` reads: torch's
+    ``load_state_dict`` takes the saved groups' settings as they are (filling in only the ones a
+    newer torch added), so resuming an AdamW run with ``optimizer.name=sgd`` failed in the first
+    step (KeyError: 'momentum')."""
+    missing = sorted(
+        {key for group in optimizer.param_groups for key in optimizer.defaults if key not in group}
+    )
+    if missing:
+        raise ArtifactError(
+            f"{Path(checkpoint) / 'state.pt'}: its optimiser state is another optimiser's than "
+            f"{type(optimizer).__name__} (its groups lack {', '.join(map(repr, missing))}); resume "
+            "with the optimizer the run was trained with (see the run's recipe.yaml), or start a new "
+            "run from its export"
+        )
 
 
 def by_index(optimizer_state: dict, model, optimizer) -> dict:
