@@ -416,3 +416,15 @@ def test_a_run_directory_that_is_a_file_and_a_size_an_encoder_refuses_are_one_li
     refused = invoke(app, "train", SMOKE, "model.image_encoder.name=rn_tiny", "--run-dir", "rn")
     assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
     assert "model.image_encoder (rn_tiny): image_size must be a positive multiple of 32" in last_line(refused)
+
+
+def test_a_checkpoint_write_cut_short_is_cleared_by_the_next_checkpoint(work, app):
+    # A second Ctrl-C (or a crash) during a checkpoint write leaves .step-N.partial/; it was kept
+    # for ever unless step N was saved again.
+    stale = work / "run" / "checkpoints" / ".step-00000099.partial"
+    stale.mkdir()
+    (stale / "state.pt").write_bytes(b"cut short")
+    done = invoke(app, "train", SMOKE, "--resume", "--run-dir", "run", "train.steps=3")
+    assert done.exit_code == 0, done.output
+    assert not stale.exists()
+    assert [path.name for path in list_checkpoints(work / "run")][-1] == "step-00000003"

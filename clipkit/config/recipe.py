@@ -125,12 +125,49 @@ def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = (), *, regis
 
 
 def warn_deprecated(recipe: dict) -> None:
-    """One line on stderr for each deprecated spelling the recipe uses (it still works this release)."""
+    """One line on stderr for each deprecated spelling the recipe uses (it still works this release),
+    and for each setting that does nothing in this recipe (:func:`settings_without_effect`)."""
     from clipkit.tiled.settings import deprecation_warning
 
     line = deprecation_warning(recipe)
-    if line:
-        print(line, file=sys.stderr)
+    for warning in ([line] if line else []) + settings_without_effect(recipe):
+        print(warning if warning.startswith("warning: ") else f"warning: {warning}", file=sys.stderr)
+
+
+def settings_without_effect(recipe: dict) -> list[str]:
+    """Settings the recipe sets that another of its settings makes do nothing: said, not ignored
+    unseen (each still validates and runs; a recipe may set them for its other variants)."""
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    distributed = train.get("distributed") if isinstance(train.get("distributed"), dict) else {}
+    lines = []
+    if _positive(train.get("eval_every")) and not recipe.get("eval"):
+        lines.append(
+            f"train.eval_every={train['eval_every']} does nothing: the recipe has no eval: tasks "
+            "(add some, or train on your data with --data, which adds retrieval on its held-out split)"
+        )
+    if train.get("similarity_precision") == "half" and train.get("precision") not in ("bf16", "fp16"):
+        lines.append(
+            f"train.similarity_precision=half does nothing with train.precision={train.get('precision')}: "
+            "the features are half precision only in a bf16 or fp16 run"
+        )
+    if distributed.get("strategy", "ddp") != "deepspeed":
+        zero_only = {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none"}
+        changed = [
+            f"{key}={distributed[key]}"
+            for key, default in zero_only.items()
+            if distributed.get(key, default) != default
+        ]
+        if changed:
+            lines.append(
+                f"train.distributed.{', '.join(changed)} does nothing with strategy="
+                f"{distributed.get('strategy', 'ddp')}: these are DeepSpeed ZeRO settings "
+                "(strategy=deepspeed)"
+            )
+    return lines
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def amend_resolved(recipe: dict, extra: list[str], *, kept: list[str], where: str) -> dict:

@@ -152,7 +152,7 @@ class TrainConfig:
     steps: Annotated[int, POSITIVE] = 1000
     log_every: Annotated[int, POSITIVE] = 10
     checkpoint_every: Annotated[int, POSITIVE] = 500
-    keep_checkpoints: Annotated[int, NON_NEGATIVE] = 2
+    keep_checkpoints: Annotated[int, NON_NEGATIVE] = 2  # the newest N checkpoints are kept; 0 keeps all
     precision: Annotated[str, OneOf(("no", "bf16", "fp16"))] = "no"  # "no" (fp32), "bf16", "fp16"
     # The features entering the similarity: "fp32" (upcast; exact, the default) or "half" (under
     # bf16/fp16 on CUDA, the towers' dtype: the logits GEMM on tensor cores with fp32 accumulation,

@@ -129,6 +129,9 @@ def save_checkpoint(
             # Pruning only after the commit: until then the earlier checkpoints are the resume point.
             for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
+            # A write a crash or a second Ctrl-C cut short, at another step: never read, now gone.
+            for stale in checkpoint_dir(run_dir).glob(".step-*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
     barrier()  # no process returns (and trains on) before the checkpoint is committed
     return final
 

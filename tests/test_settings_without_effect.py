@@ -1,0 +1,48 @@
+"""A setting that another setting of the recipe makes do nothing is said (one ``warning:`` line
+at resolve, so ``clipkit validate`` and ``clipkit train`` show it), never ignored unseen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clipkit.app import api
+from clipkit.config.recipe import settings_without_effect, variants_of
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["train.eval_every=2"], "train.eval_every=2 does nothing: the recipe has no eval: tasks"),
+        (
+            ["train.similarity_precision=half"],
+            "similarity_precision=half does nothing with train.precision=no",
+        ),
+        (["train.distributed.zero_stage=3"], "zero_stage=3 does nothing with strategy=ddp"),
+        (
+            ["train.distributed.strategy=fsdp2", "train.distributed.offload_optimizer=cpu"],
+            "offload_optimizer=cpu",
+        ),
+    ],
+)
+def test_a_setting_without_effect_is_one_warning_line(registry, capsys, overrides, said):
+    api.resolve("clip@tiny", overrides, registry)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(lines) == 1 and said in lines[0], lines
+
+
+def test_the_settings_that_take_effect_warn_nothing(registry, capsys):
+    api.resolve("clip@tiny", ["train.precision=bf16", "train.similarity_precision=half"], registry)
+    api.resolve(
+        "clip@tiny", ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3"], registry
+    )
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_no_shipped_recipe_or_variant_sets_a_setting_without_effect(registry):
+    for name in sorted(path.stem for path in RECIPES.glob("*.yaml")):
+        for spec in [name, *(f"{name}@{variant}" for variant in variants_of(name, registry))]:
+            assert settings_without_effect(api.resolve(spec, [], registry)) == [], spec
