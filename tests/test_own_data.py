@@ -97,7 +97,9 @@ def test_bad_holdout_uris_name_the_uri(uri, registry):
         open_source(uri, pm=registry.pm)
 
 
-@pytest.mark.parametrize("bad", ["val", "val=0", "val=1.5", "train=0.1", "=0.1", "../x=0.5", "/abs=0.5", "a/b=0.1", ".x=0.1"])
+@pytest.mark.parametrize(
+    "bad", ["val", "val=0", "val=1.5", "train=0.1", "=0.1", "../x=0.5", "/abs=0.5", "a/b=0.1", ".x=0.1"]
+)
 def test_parse_split_rejects(bad):
     with pytest.raises(ClipkitError, match="--split"):
         parse_split(bad)
