@@ -1,5 +1,6 @@
 """A setting that another setting of the recipe makes do nothing is said (one ``warning:`` line
-at resolve, so ``clipkit validate`` and ``clipkit train`` show it), never ignored unseen."""
+at resolve, so ``clipkit validate`` and ``clipkit train`` show it), never ignored unseen; and an
+override ``{}`` empties a mapping, so a feature a recipe turns on can be turned off."""
 
 from __future__ import annotations
 
@@ -46,3 +47,17 @@ def test_no_shipped_recipe_or_variant_sets_a_setting_without_effect(registry):
     for name in sorted(path.stem for path in RECIPES.glob("*.yaml")):
         for spec in [name, *(f"{name}@{variant}" for variant in variants_of(name, registry))]:
             assert settings_without_effect(api.resolve(spec, [], registry)) == [], spec
+
+
+@pytest.mark.parametrize(
+    "spec, overrides, key",
+    [
+        ("clip@tiny", ["train.ema.decay=0.9", "train.ema={}"], "ema"),
+        ("quickstart@distill", ["train.distill={}"], "distill"),
+    ],
+)
+def test_an_empty_mapping_switches_off_what_the_recipe_turned_on(registry, spec, overrides, key):
+    # Mappings merge, so `train.ema={}` used to change nothing: no command line could turn off a
+    # feature a recipe or variant enabled (and `=null` is not a mapping).
+    assert api.resolve(spec, overrides[:-1], registry)["train"][key]  # on before the last override
+    assert api.resolve(spec, overrides, registry)["train"][key] == {}

@@ -439,7 +439,8 @@ def names_other_shards(overrides, where: str) -> bool:
 
 
 def apply_override(config, key: str, value: Any) -> None:
-    """Set ``key`` (dotted) to ``value``, merging mappings; a new slot ``name`` resets the slot.
+    """Set ``key`` (dotted) to ``value``, merging mappings (``{}`` empties one); a new slot ``name``
+    resets the slot.
 
     A bare name for a slot is short for its ``name``: ``loss=simclr`` = ``loss.name=simclr``.
     """
@@ -461,6 +462,10 @@ def apply_override(config, key: str, value: Any) -> None:
             return
     if value is None and isinstance(OmegaConf.select(config, key, default=None), str):
         value = ""  # `data.source=` clears a text setting (YAML would read it as null)
+    if isinstance(value, dict) and not value:
+        # `train.ema={}` empties the mapping (switches the feature off); merged, it changed nothing.
+        OmegaConf.update(config, key, value, merge=False, force_add=True)
+        return
     OmegaConf.update(config, key, value, merge=True, force_add=True)
 
 
