@@ -70,7 +70,7 @@ class Range:
             for name, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
             if getattr(self, name) is not None
         ]
-        return " and ".join(parts)
+        return " and ".join(parts) or "a finite number"  # unbounded: finite is all that is asked
 
 
 @dataclass(frozen=True)
