@@ -202,3 +202,25 @@ def test_processes_stop_together_when_only_one_gets_the_signal(shards, tmp_path)
     assert_same_weights(
         load_checkpoint(list_checkpoints(stopped)[-1]), load_checkpoint(list_checkpoints(full)[-1])
     )
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_last_step_stops_before_the_export(shards, tmp_path):
+    # A SIGTERM after the loop's last check (here: from the progress report that follows it) was
+    # logged as "finishing this step, then stopping", then the run went on to export, evaluate and
+    # exit 0, with the signal lost.
+    run_dir = tmp_path / "run"
+
+    def progress(done, total, metrics):
+        if done == total:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    settings = [*overrides(shards, 4)[:-1], "train.export=true"]
+    with pytest.raises(TrainingStopped) as raised:
+        api.train(SMOKE, settings, run_dir=run_dir, registry=registry(), progress=progress)
+    assert raised.value.exit_code == 143 and raised.value.step == 4
+    assert "export and evaluation were skipped" in str(raised.value)
+    assert [p.name for p in list_checkpoints(run_dir)][-1] == "step-00000004"
+    assert not (run_dir / "export").exists() and received() is None
+    # the next run in this process sees no signal left over
+    api.train(SMOKE, overrides(shards, 2), run_dir=tmp_path / "next", registry=registry())

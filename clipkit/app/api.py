@@ -287,7 +287,7 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
     from clipkit.config.recipe import section
     from clipkit.train.build import accept_resumed_recipe, build_trainer
     from clipkit.train.loop import train_loop
-    from clipkit.train.stop import handling_signals
+    from clipkit.train.stop import after_the_loop, handling_signals
 
     trainer = build_trainer(recipe, run_dir, registry, resume=resume)
     if resume:
@@ -295,6 +295,7 @@ def _train_locked(recipe, run_dir, registry, progress, started, *, resume: bool)
     with watching(trainer) as events:  # on_run_start / on_evals / on_run_end (trackers)
         with handling_signals():  # SIGTERM/SIGINT: checkpoint after the step, then TrainingStopped
             metrics = train_loop(trainer, progress=progress)
+        after_the_loop(Path(run_dir), section(recipe, "train").steps)  # a signal in the last step: stop
         result = TrainResult(run_dir=Path(run_dir), metrics=metrics, is_main=trainer.runtime.is_main)
         trainer.runtime.close()
         if section(recipe, "train").export and trainer.runtime.is_main:

@@ -34,6 +34,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: int | None = None
 #: The process that installed the handlers; data-loader workers forked from it inherit them.
 _owner: int | None = None
+#: A signal the loop never acted on: it came after the last step's check (see :func:`after_the_loop`).
+_unanswered: int | None = None
 
 
 class TrainingStopped(ClipkitError):
@@ -73,20 +75,42 @@ def _handle(signum: int, frame) -> None:
 def handling_signals() -> Iterator[None]:
     """Inside the block, SIGTERM/SIGINT request a graceful stop; the previous handlers come back
     afterwards. A no-op outside the main thread."""
-    global _received, _owner
+    global _received, _owner, _unanswered
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    _received, _owner = None, os.getpid()
+    _received, _owner, _unanswered = None, os.getpid(), None
     for signum in SIGNALS:
         signal.signal(signum, _handle)
     try:
         yield
+        _unanswered = _received  # the block ended normally: a signal it got was never acted on
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _received = None
+
+
+def after_the_loop(run_dir: Path, step: int) -> None:
+    """Raise :class:`TrainingStopped` when a stop signal came after the loop's last check (during
+    its last step): the run's final checkpoint is written, and the export and evaluation that
+    would follow are skipped, as the signal asked (a scheduler's SIGTERM gives little time)."""
+    from clipkit.train.checkpoint import latest_checkpoint
+
+    global _unanswered
+    signum, _unanswered = _unanswered, None
+    if signum is None:
+        return
+    path = latest_checkpoint(run_dir)
+    raise TrainingStopped(
+        f"training finished its last step ({step}) as {signal.Signals(signum).name} arrived; checkpoint "
+        f"{path}. The export and evaluation were skipped: run `clipkit export {shlex.quote(str(run_dir))} "
+        f"{shlex.quote(str(Path(run_dir) / 'export'))}` for them",
+        signum,
+        step,
+        path,
+    )
 
 
 def requested(runtime) -> bool:
