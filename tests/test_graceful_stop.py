@@ -224,3 +224,45 @@ def test_a_signal_during_the_last_step_stops_before_the_export(shards, tmp_path)
     assert not (run_dir / "export").exists() and received() is None
     # the next run in this process sees no signal left over
     api.train(SMOKE, overrides(shards, 2), run_dir=tmp_path / "next", registry=registry())
+
+
+def test_a_second_sigint_inside_torch_save_is_an_interrupt_not_a_crash(capsys):
+    # torch.save turns a KeyboardInterrupt raised while it writes into its own RuntimeError as it
+    # closes the file: a second Ctrl-C during a checkpoint printed a traceback, exit code 1.
+    import io
+
+    import typer
+
+    from clipkit.app.commands import fails_cleanly
+
+    class InterruptedFile(io.RawIOBase):  # the signal arrives after a few blocks are written
+        writes = 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return len(data)
+
+    @fails_cleanly
+    def command():
+        torch.save({"weights": torch.zeros(1000)}, InterruptedFile())
+
+    with pytest.raises(typer.Exit) as raised:
+        try:
+            command()
+        except KeyboardInterrupt:  # never let it stop the test session
+            pytest.fail(
+                "torch.save let the KeyboardInterrupt through (the case this test stands for is gone)"
+            )
+    assert raised.value.exit_code == 130 and "interrupted by a second signal" in capsys.readouterr().err
+
+    @fails_cleanly
+    def broken():
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):  # other errors keep their traceback
+        broken()

@@ -37,8 +37,32 @@ def fails_cleanly(command):
             typer.secho(f"error: {redact_text(str(error))}", fg="red", err=True)  # no URL secret shown
             # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
             raise typer.Exit(getattr(error, "exit_code", 2)) from None
+        except Exception as error:
+            if not interrupted(error):
+                raise
+            # A second Ctrl-C in the middle of a file write (torch.save turns it into its own
+            # RuntimeError as the file is closed): the stop the user asked for, not a crash.
+            typer.secho(
+                "error: interrupted by a second signal while a file was being written; what was written "
+                "whole is intact (checkpoints are published only when complete)",
+                fg="red",
+                err=True,
+            )
+            raise typer.Exit(130) from None
 
     return wrapper
+
+
+def interrupted(error: BaseException) -> bool:
+    """Whether ``error`` was raised while a KeyboardInterrupt was being handled (its cause or
+    context chain holds one)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def registry():
