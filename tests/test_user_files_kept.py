@@ -428,3 +428,19 @@ def test_a_checkpoint_write_cut_short_is_cleared_by_the_next_checkpoint(work, ap
     assert done.exit_code == 0, done.output
     assert not stale.exists()
     assert [path.name for path in list_checkpoints(work / "run")][-1] == "step-00000003"
+
+
+def test_a_resumed_run_logs_each_step_once_and_drops_a_torn_line(work, app):
+    # Resumed from an earlier checkpoint, a run logged its later steps a second time; a line torn by
+    # a crash ended up mid-file, where `clipkit report` refuses the log.
+    log = work / "run" / "metrics.jsonl"
+    first = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert 2 in first
+    shutil.rmtree(list_checkpoints(work / "run")[-1])  # resume from step 1: step 2 runs again
+    with log.open("a") as out:
+        out.write('{"step": 3, "lo')
+    done = invoke(app, "train", SMOKE, "--resume", "--run-dir", "run", "train.steps=3", "train.log_every=1")
+    assert done.exit_code == 0, done.output
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-2:] == [2, 3], steps
+    assert invoke(app, "report", "run", "--out", "compare").exit_code == 0
