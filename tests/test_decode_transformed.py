@@ -176,3 +176,15 @@ def test_one_generator_per_view_or_one_for_all():
     transform = ImageTransform(image_size=8, **LEVELS)
     with pytest.raises(ValueError, match="2 transforms but 3 random generators"):
         decode_transformed(data, [transform, transform], [random.Random(0)] * 3, "x")
+
+
+def test_a_loader_error_names_a_foreign_sample_by_key_and_shard():
+    # Shards written elsewhere have no global index: the message said "sample None (s9)".
+    from clipkit.contract.types import Sample
+    from clipkit.data.loader import sample_name
+
+    foreign = Sample(key="s9", image=b"", image_ext="jpg", captions=(), meta={"index": None})
+    named = sample_name({"__url__": "/data/wds/000001.tar"}, foreign)
+    assert named.startswith("sample 's9' in /data/wds/000001.tar") and "clipkit shard webdataset:" in named
+    own = Sample(key="k", image=b"", image_ext="jpg", captions=(), meta={"index": 7})
+    assert sample_name({}, own) == "sample 7 (k)"

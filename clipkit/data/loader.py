@@ -154,6 +154,20 @@ def split_tar(url: str, holdout: float) -> tuple[int, list[int]]:
     return kept, held
 
 
+def sample_name(record: dict[str, Any], sample) -> str:
+    """How an error names a sample: its global index (clipkit shards), key and shard; a shard set
+    made elsewhere (no index) is read as it is, so the message says how to check it."""
+    shard = record.get("__url__")
+    where = f" in {redact(str(shard))}" if shard else ""
+    index = sample.meta.get("index")
+    if index is not None:
+        return f"sample {index} ({sample.key}){where}"
+    return (
+        f"sample {sample.key!r}{where} (a shard set not written by `clipkit shard` is read as it is; "
+        "`clipkit shard webdataset:DIR OUT` copies it with bad samples skipped and counted)"
+    )
+
+
 def record_index(json_bytes: bytes, name: str) -> int:
     try:
         return int(json.loads(json_bytes)["index"])
@@ -276,8 +290,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         # One decode per sample for all its views; each sample's rng draws view 1, then view 2.
         transforms = [self.transform] * self.views
         views = [
-            decode_transformed(s.image, transforms, rng, f"sample {s.meta['index']} ({s.key})")
-            for s, rng in zip(samples, rngs, strict=True)
+            decode_transformed(s.image, transforms, rng, sample_name(record, s))
+            for record, s, rng in zip(records, samples, rngs, strict=True)
         ]
         batch: dict[str, Any] = {
             "image": torch.stack([v[0] for v in views]),
@@ -288,11 +302,11 @@ class EpochDataset(torch.utils.data.IterableDataset):
         if self.views == 2:
             batch["image2"] = torch.stack([v[1] for v in views])
         if self.tokenizer is not None:
-            for sample in samples:
+            for record, sample in zip(records, samples, strict=True):
                 if not sample.captions:
                     raise DataError(
-                        f"sample {sample.meta['index']} ({sample.key}) has no caption, but the recipe has a "
-                        "text tower: shard an image-caption source (label-only sets are for evaluation)"
+                        f"{sample_name(record, sample)} has no caption, but the recipe has a text tower: "
+                        "shard an image-caption source (label-only sets are for evaluation)"
                     )
             # One caption per sample per epoch: a pure function of (seed, epoch, the sample's id: its
             # global index for clipkit shards), never of the augmentation, worker or rank.
