@@ -271,3 +271,20 @@ def test_the_shipped_class_lists_and_templates_pass_the_checks():
         assert all("{}" in template for template in styled.resolve_templates({}))
     for name in prompts.dataset_names():
         assert ZeroShot(data="classes:x", dataset=name).resolve_templates({})
+
+
+def test_rows_without_a_label_are_not_scored_and_are_counted(table, export, tmp_path):
+    # One empty label cell failed the whole task ("has no meta-data"), after a full training run
+    # when it was the run's final evaluation.
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    del rows[4]["category"]
+    rows[5]["category"] = None
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "zs.json"
+    args = ["eval", str(export), "--task", "zero_shot", "--data", str(table), "--label", "category",
+            "--output", str(out), "--no-plots"]  # fmt: skip
+    outcome = CliRunner().invoke(make_app(), args)
+    assert outcome.exit_code == 0, outcome.output
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["n"] == 4 and result["unlabelled"] == 2 and result["num_classes"] == 3
+    assert any("2 of 6 samples have no 'category' value" in w for w in result["warnings"])

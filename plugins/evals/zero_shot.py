@@ -94,6 +94,7 @@ class ZeroShot:
 
     def __call__(self, model, registry) -> dict:
         samples, info = load_samples(self.data, self.limit, registry=registry)
+        samples, unlabelled = self.labelled(samples)
         classnames, templates = self.prompts(info, samples)
         labels = torch.tensor([self.class_index(s, classnames) for s in samples])
         names = self.prompt_names(classnames)
@@ -103,11 +104,19 @@ class ZeroShot:
         runs = [
             self.score(image_text_logits(model, images, class_points, seed=seed), labels) for seed in seeds
         ]
+        checks = self.checks(samples, classnames, names, labels, registry)
+        if unlabelled:
+            checks["unlabelled"] = len(unlabelled)
+            checks["warnings"] = [
+                f"{len(unlabelled)} of {len(samples) + len(unlabelled)} samples have no {self.label!r} "
+                f"value and were not scored (e.g. {unlabelled[0]!r})",
+                *checks["warnings"],
+            ]
         return {
             "data": self.data,
             "label": self.label,
             "dataset": self.dataset,
-            **self.checks(samples, classnames, names, labels, registry),
+            **checks,
             "num_classes": len(classnames),
             "num_templates": len(templates),
             "n": len(samples),
@@ -116,6 +125,16 @@ class ZeroShot:
             "chance": 1 / len(classnames),
             "baselines": class_baselines(labels, classnames),
         }
+
+    def labelled(self, samples) -> tuple[list, list[str]]:
+        """(the samples with a ``label`` value, the keys of those without): a table whose label
+        column is empty in some rows is scored on the rest, the others counted and named in a
+        warning (a training run's final evaluation is not lost to one empty cell); data where no
+        sample has the label is refused (:meth:`label_values`)."""
+        kept = [sample for sample in samples if sample.meta.get(self.label) is not None]
+        if not kept:
+            return samples, []
+        return kept, [sample.key for sample in samples if sample.meta.get(self.label) is None]
 
     def checks(self, samples, classnames, names, labels, registry) -> dict:
         """The fields and ``warnings`` of :mod:`clipkit.eval.data_checks` for this task."""
