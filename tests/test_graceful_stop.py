@@ -266,3 +266,22 @@ def test_a_second_sigint_inside_torch_save_is_an_interrupt_not_a_crash(capsys):
 
     with pytest.raises(RuntimeError, match="a real bug"):  # other errors keep their traceback
         broken()
+
+
+def test_ctrl_c_during_clipkit_shard_says_how_to_continue(tmp_path, monkeypatch):
+    # It exited 130 without a word about the finished shards kept in OUT.partial.
+    from typer.testing import CliRunner
+
+    from clipkit.app.cli import make_app
+
+    def interrupted_shard(source, out, **options):
+        (Path(f"{out}.partial")).mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "shard", interrupted_shard)
+    out = tmp_path / "shards"
+    result = CliRunner().invoke(
+        make_app(make_plugin_manager(autoload=False)), ["shard", "synthetic://shapes", str(out)]
+    )
+    assert result.exit_code == 130, result.output
+    assert f"the finished shards are kept in {out}.partial; run the same command again" in result.output

@@ -191,7 +191,7 @@ def shard_command(
         if spec is not None:
             raise typer.BadParameter("--teacher with --split: shard each part apart (the views' seeds "
                                      "follow each set's own indices)")  # fmt: skip
-        with step_progress("sharding", total=None) as report:
+        with said_on_interrupt(out), step_progress("sharding", total=None) as report:
             manifests = api.shard_split(
                 source, out, split, options=options, registry=registry(), samples_per_shard=samples_per_shard,
                 max_shard_bytes=max_shard_size, progress=report, overwrite=overwrite,
@@ -201,7 +201,7 @@ def shard_command(
             typer.echo(f"{part}: wrote {manifest['n']} samples in {shards} shard(s) to {out / part}")
         print_image_counts(next(iter(manifests.values())))
         return
-    with step_progress("sharding", total=None) as report:
+    with said_on_interrupt(out), step_progress("sharding", total=None) as report:
         manifest = api.shard(
             source,
             out,
@@ -219,6 +219,19 @@ def shard_command(
     if skipped_rows_line(manifest):
         typer.echo(skipped_rows_line(manifest))
     print_image_counts(manifest)
+
+
+@contextlib.contextmanager
+def said_on_interrupt(out: Path):
+    """Ctrl-C during ``clipkit shard``: exit 130 with one line saying the finished shards are kept
+    and the same command continues (it exited silently)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = sorted(Path(out).parent.glob(f"{Path(out).name}*.partial"))
+        where = f"the finished shards are kept in {', '.join(map(str, kept))}; " if kept else ""
+        typer.secho(f"interrupted: {where}run the same command again to continue", fg="red", err=True)
+        raise typer.Exit(130) from None
 
 
 def print_image_counts(manifest: dict) -> None:

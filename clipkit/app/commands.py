@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 
+import click
 import typer
 
 from clipkit.errors import ClipkitError, redact_text
@@ -38,7 +39,7 @@ def fails_cleanly(command):
             # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
             raise typer.Exit(getattr(error, "exit_code", 2)) from None
         except Exception as error:
-            if not interrupted(error):
+            if isinstance(error, typer.Exit | click.exceptions.ClickException) or not interrupted(error):
                 raise
             # A second Ctrl-C in the middle of a file write (torch.save turns it into its own
             # RuntimeError as the file is closed): the stop the user asked for, not a crash.
@@ -61,7 +62,7 @@ def interrupted(error: BaseException) -> bool:
         if isinstance(error, KeyboardInterrupt):
             return True
         seen.add(id(error))
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return False
 
 
