@@ -478,3 +478,14 @@ def test_retrieval_reports_each_k_once_in_the_order_given(registry):
 
     task = build_slot(registry, "eval", {"name": "retrieval", "data": "x", "ks": [5, 1, 5]}, "eval.0")
     assert task.ks == [5, 1]
+
+
+@pytest.mark.parametrize("text", ["", "[]\n", "eval: []\n"])
+def test_a_tasks_file_with_no_tasks_is_refused_before_a_model_loads(tmp_path, text):
+    # It loaded the model, then said the export's recipe had no `eval:` section.
+    from clipkit.app.cli import read_tasks_file
+
+    path = tmp_path / "suite.yaml"
+    path.write_text(text)
+    with pytest.raises(ClipkitError, match="the tasks file lists no tasks"):
+        read_tasks_file(path)

@@ -563,6 +563,8 @@ def read_tasks_file(path: Path, root: str | None = None) -> tuple[list[dict], bo
     tasks = loaded.get("eval") if isinstance(loaded, dict) else loaded
     if not isinstance(tasks, list) or not all(isinstance(t, dict) and "name" in t for t in tasks):
         raise ClipkitError(f"{path}: expected a list of tasks like `- {{name: zero_shot, data: ...}}`")
+    if not tasks:  # an empty suite evaluated nothing, after loading the model, under another message
+        raise ClipkitError(f"{path}: the tasks file lists no tasks; add `- {{name: zero_shot, data: ...}}`")
     missing = loaded.get("missing", "refuse") if isinstance(loaded, dict) else "refuse"
     if missing not in ("skip", "refuse"):
         raise ClipkitError(f"{path}: missing: must be skip or refuse, got {missing!r}")
