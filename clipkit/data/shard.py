@@ -136,16 +136,24 @@ class ShardSource:
             ) from error
 
 
+#: The members a sample's image may be stored as, in the order they are looked for.
+IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "bmp")
+
+
 def decode_record(record: dict[str, Any], where: Path | str) -> Sample:
     """A raw WebDataset record (bytes per field) -> :class:`Sample` (image left encoded). Shards
     from elsewhere (open_clip / img2dataset style) may lack the json: the caption is then ``txt``
     and the sample has no stored index (:mod:`clipkit.data.shard_sets` numbers it)."""
     key = record.get("__key__", "?")
+    image_ext = next((ext for ext in IMAGE_FIELDS if ext in record), None)
+    if image_ext is None:
+        fields = ", ".join(sorted(k for k in record if not k.startswith("__"))) or "none"
+        wanted = "/".join(IMAGE_FIELDS)
+        raise DataError(f"{where}: sample {key!r} has no image member ({wanted}); its members: {fields}")
     try:
         meta = json.loads(record["json"]) if "json" in record else {}
-        image_ext = next(ext for ext in ("png", "jpg", "jpeg", "webp", "bmp") if ext in record)
-    except (KeyError, StopIteration, ValueError) as error:  # ValueError: bad JSON, non-UTF-8 txt
-        raise DataError(f"{where}: sample {key!r} lacks an image or a valid json field ({error})") from error
+    except ValueError as error:  # bad JSON, non-UTF-8
+        raise DataError(f"{where}: sample {key!r}: its json is not valid JSON ({error})") from error
     if not isinstance(meta, dict):
         raise DataError(f"{where}: sample {key!r}: its json is not an object")
     try:

@@ -140,7 +140,7 @@ class CaptionFolderSource(FolderSource):
         # Read as a regular file only, size-limited: a FIFO named x.txt must not hang the run.
         raw = read_regular_file(caption_path, self.max_image_bytes, str(caption_path), "missing_caption")
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not a caption's
         except UnicodeDecodeError:
             raise BadRow("bad_encoding", f"{caption_path}: not valid UTF-8") from None
         # Lines end at \n (\r\n, \r): str.splitlines would also split at \x0b, \x1c, \u2028...

@@ -124,6 +124,9 @@ class IdxSource(FileSource):
             raise DataError(f"{self.path}: idx images file not found")
         self.labels_path = Path(labels) if labels else idx_labels_path(self.path)
         self.images = read_idx(self.path, 3)
+        if 0 in self.images.shape[1:]:  # 0 rows or columns: no image can be made of them
+            rows, cols = self.images.shape[1:]
+            raise DataError(f"{self.path}: its images are {rows}×{cols} pixels; an idx image needs both > 0")
         self.labels = read_idx(self.labels_path, 1)
         if len(self.labels) != len(self.images):
             raise DataError(

@@ -26,6 +26,13 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from clipkit.contract.types import Sample
+from clipkit.errors import DataError
+
+
+class ShapesError(DataError, ValueError):
+    """A ``synthetic://shapes`` URI or argument that cannot be used: one line from the CLI (a
+    DataError), still a ValueError for code that catches that."""
+
 
 #: Colour names (single words, as they appear in captions) -> RGB. Hues are spread round the colour
 #: wheel and kept bright, so each stays distinct from the others and from the dark background.
@@ -208,7 +215,7 @@ def _check_attributes(colour: str, shape: str, position: str, size: str) -> None
         ("size", size, SIZES),
     ):
         if value not in known:
-            raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
+            raise ShapesError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
 
 
 def render(
@@ -265,15 +272,15 @@ def _png_bytes(image: Image.Image) -> bytes:
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"synthetic shapes: split must be one of {', '.join(SPLITS)}, got {split!r}")
+        raise ShapesError(f"synthetic shapes: split must be one of {', '.join(SPLITS)}, got {split!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int | None) -> None:
     # bool is an int subclass; n=True is surely a mistake.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"synthetic shapes: {name} must be an integer, got {value!r}")
+        raise ShapesError(f"synthetic shapes: {name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"synthetic shapes: {name} must be >= {minimum}, got {value}")
+        raise ShapesError(f"synthetic shapes: {name} must be >= {minimum}, got {value}")
 
 
 class SyntheticShapes:
@@ -371,13 +378,13 @@ def parse_synthetic_uri(uri: str) -> SyntheticShapes | None:
     kwargs: dict[str, Any] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         if key not in _URI_PARAMS:
-            raise ValueError(
+            raise ShapesError(
                 f"{uri}: unknown query parameter {key!r}; known parameters: {', '.join(_URI_PARAMS)}"
             )
         if key in kwargs:
-            raise ValueError(f"{uri}: query parameter {key!r} given more than once")
+            raise ShapesError(f"{uri}: query parameter {key!r} given more than once")
         try:
             kwargs[key] = _URI_PARAMS[key](value)
         except ValueError:
-            raise ValueError(f"{uri}: query parameter {key!r} must be an integer, got {value!r}") from None
+            raise ShapesError(f"{uri}: query parameter {key!r} must be an integer, got {value!r}") from None
     return SyntheticShapes(**kwargs)

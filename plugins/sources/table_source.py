@@ -333,7 +333,19 @@ class TableSource(FileSource):
 
             return parquet_columns(self.path)
         with self.open_text() as stream:
-            return next(csv.reader(stream, delimiter=self.delimiter), [])
+            header = next(self.csv_reader(stream), [])
+        repeated = sorted({column for column in header if header.count(column) > 1})
+        if repeated:  # a row is a mapping column -> cell: the last cell would win unseen
+            raise DataError(f"{self.path}: the header names column(s) {repeated} more than once; rename them")
+        return header
+
+    def csv_reader(self, stream):
+        """A CSV is read with quoting (RFC 4180), strictly: a stray quote is a bad line, not text
+        silently stripped of its quotes. A TSV is read without quoting, as the CC3M/CC12M TSVs are
+        written: a quote is part of the caption (``"the hobbit" poster``)."""
+        if self.delimiter == "\t":
+            return csv.reader(stream, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return csv.reader(stream, delimiter=self.delimiter, strict=True)
 
     def check_header(self, header: list[str], what: str) -> None:
         """Fail early (not per row) when a named column is absent or the default ones are; ``header``:
@@ -365,14 +377,23 @@ class TableSource(FileSource):
 
     def delimited_rows(self) -> Iterator[tuple[str, dict[str, Any] | BadRow]]:
         with self.open_text() as stream:
-            reader = csv.reader(stream, delimiter=self.delimiter)
+            reader = self.csv_reader(stream)
             header = next(reader, [])
             while True:
+                first_line = reader.line_num + 1
                 try:
                     cells = next(reader)
                 except StopIteration:
                     return
                 except csv.Error as error:
+                    if "unexpected end of data" in str(error):
+                        # A quote opened and never closed swallowed every line after it into one
+                        # field: those rows cannot be read, so the table is refused, not shortened.
+                        raise DataError(
+                            f"{self.path}: line {first_line}: a quoted field opened here is never closed, "
+                            f"so lines {first_line}-{reader.line_num} cannot be read; close or remove the "
+                            'quote (inside a quoted field a quote is written "")'
+                        ) from None
                     where = f"{self.path}: line {reader.line_num}"
                     yield where, BadRow("bad_line", f"{where}: {error}")
                     continue
