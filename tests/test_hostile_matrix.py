@@ -214,6 +214,8 @@ def test_loader_worker_errors_are_the_in_process_line(shards):
         ("data.shards='http://[::1/shard-{0..1}.tar'", "data.shards"),
         ("data.mixture='1*http://host:port/a.tar :: 1*b.tar'", "data.mixture[0].shards"),
         ("data.mixture='2* :: 1*b.tar'", "data.mixture[0]: names no shards"),
+        # round four: train refused it at start, after validate said ok
+        ("train.micro_batch_size=7", "train.micro_batch_size: 7 does not divide data.batch_size"),
     ],
 )
 def test_validate_refuses_numbers_and_urls_training_would_crash_on(app, in_tmp, override, key):

@@ -691,6 +691,7 @@ def _check_values(recipe: dict, reported: list[str]) -> list[str]:
         errors += _check_augment(data)
         errors += _check_background(data)
     errors += _check_machine(data, train)
+    errors += _check_micro_batch(data, train)
     model = recipe.get("model")
     if isinstance(model, dict):
         errors += _check_lora(model.get("lora") or {}, model.get("frozen") or ())
@@ -915,6 +916,21 @@ def _check_augment(data: dict) -> list[str]:
             "color_jitter/grayscale need augment: sample"
         ]
     return []
+
+
+def _check_micro_batch(data: Any, train: Any) -> list[str]:
+    """``train.micro_batch_size`` must divide ``data.batch_size``: each process's share divides the
+    batch, so a micro-batch that does not divide the batch divides no share (the launch's process
+    count, which the runtime checks, is not known here)."""
+    batch = data.get("batch_size") if isinstance(data, dict) else None
+    micro = train.get("micro_batch_size") if isinstance(train, dict) else None
+    numbers = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, micro))
+    if not numbers or batch % micro == 0:
+        return []
+    return [
+        f"train.micro_batch_size: {micro} does not divide data.batch_size {batch} (micro-batches split "
+        "each process's share of the batch); pick a divisor"
+    ]
 
 
 def _check_machine(data: Any, train: Any) -> list[str]:
