@@ -84,11 +84,16 @@ def test_unknown_label_lists_the_known_classes():
         task.class_index(sample("7", category="pink"), ["red", "blue"])
 
 
-def test_eval_zero_shot_on_a_table_needs_no_class_list(table, export, tmp_path):
-    out = tmp_path / "zs.json"
+def eval_zero_shot(export, table, out):
+    """``clipkit eval EXPORT --task zero_shot`` on ``table`` over its ``category`` column."""
     args = ["eval", str(export), "--task", "zero_shot", "--data", str(table), "--label", "category",
             "--output", str(out), "--no-plots"]  # fmt: skip
-    outcome = CliRunner().invoke(make_app(), args)
+    return CliRunner().invoke(make_app(), args)
+
+
+def test_eval_zero_shot_on_a_table_needs_no_class_list(table, export, tmp_path):
+    out = tmp_path / "zs.json"
+    outcome = eval_zero_shot(export, table, out)
     assert outcome.exit_code == 0, outcome.output
     (result,) = json.loads(out.read_text())["results"]
     assert result["num_classes"] == 3 and result["n"] == 6 and result["chance"] == pytest.approx(1 / 3)
@@ -281,9 +286,7 @@ def test_rows_without_a_label_are_not_scored_and_are_counted(table, export, tmp_
     rows[5]["category"] = None
     table.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "zs.json"
-    args = ["eval", str(export), "--task", "zero_shot", "--data", str(table), "--label", "category",
-            "--output", str(out), "--no-plots"]  # fmt: skip
-    outcome = CliRunner().invoke(make_app(), args)
+    outcome = eval_zero_shot(export, table, out)
     assert outcome.exit_code == 0, outcome.output
     (result,) = json.loads(out.read_text())["results"]
     assert result["n"] == 4 and result["unlabelled"] == 2 and result["num_classes"] == 3
