@@ -105,3 +105,21 @@ def test_a_shard_sample_without_an_image_names_its_members():
 
     with pytest.raises(DataError, match=r"sample 'a' has no image member \(png/jpg.*its members: json, txt"):
         decode_record({"__key__": "a", "json": b"{}", "txt": b"x"}, "wds")  # "()": a StopIteration's text
+
+
+def test_img2dataset_samples_whose_data_is_gone_are_counted(tmp_path):
+    # A shard with only NNNNN_stats.json left: its downloaded samples vanished uncounted.
+    from test_dataset_sources import img2dataset_output, jpeg
+
+    from clipkit.data.shard import open_source
+
+    root = tmp_path / "out"
+    img2dataset_output(
+        root, "files", [[{"url": "u", "caption": "ok", "licence": "l", "image": jpeg((1, 1, 1))}]]
+    )
+    (root / "00001_stats.json").write_text(
+        json.dumps({"count": 3, "successes": 3, "status_dict": {"success": 3}})
+    )
+    source = open_source(f"img2dataset:{root}")
+    assert [s.key for s in source] == ["000000000"]
+    assert source.skipped == {"missing_image": 3}

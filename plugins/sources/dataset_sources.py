@@ -401,6 +401,8 @@ class Img2DatasetSource(FileSource):
                     yield where, lambda k=key, w=where, f=fields: self.build(k, w, f)
             elif shard.format == "parquet":
                 yield from self.parquet_candidates(shard)
+            else:
+                yield from self.lost_candidates(shard)
             if shard.format != "parquet":  # a parquet shard keeps its failures as rows
                 yield from self.failure_candidates(shard)
 
@@ -450,6 +452,18 @@ class Img2DatasetSource(FileSource):
         }
         key = str(record.get("key") or row)
         return make_sample(key, where, record.get(image_field), captions, meta, self.max_caption_chars)
+
+    def lost_candidates(self, shard: Img2DatasetShard) -> Iterator[tuple[str, Callable[[], Sample]]]:
+        """One ``missing_image`` per sample a shard's stats say was downloaded when its data (the
+        folder, tar or parquet) is gone: counted, not dropped unseen."""
+        successes = int((shard.stats or {}).get("successes") or 0)
+        detail = (
+            f"{shard.stats_path}: {successes} downloaded samples, but no {shard.name}/, {shard.name}.tar "
+            f"or {shard.name}.parquet holds them"
+        )
+        lost = functools.partial(fail, "missing_image", detail)
+        for number in range(1, successes + 1):
+            yield f"{shard.stats_path}: lost sample {number}", lost
 
     def failure_candidates(self, shard: Img2DatasetShard) -> Iterator[tuple[str, Callable[[], Sample]]]:
         """One ``failed_download`` per sample img2dataset could not fetch or resize; "files" and
