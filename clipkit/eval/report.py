@@ -345,27 +345,26 @@ def telemetry_metrics(runs: dict[str, Path]) -> list[str]:
     return [metric for metric in TELEMETRY_METRICS if metric in logged]
 
 
-def logged_metrics(runs: dict[str, Path]) -> set[str]:
-    """Every field any of ``runs`` logged in its metrics.jsonl."""
+def logged_metrics(runs: dict[str, Path], *, numbers_only: bool = False) -> set[str]:
+    """Every field any of ``runs`` logged in its metrics.jsonl (``numbers_only``: those logged as
+    a float at least once, what a curve can plot)."""
     logged: set[str] = set()
     for run_dir in runs.values():
         file = Path(run_dir) / "metrics.jsonl"
         if file.is_file():
-            logged.update(key for record in read_metrics(file) for key in record)
+            logged.update(
+                key
+                for record in read_metrics(file)
+                for key, value in record.items()
+                if not numbers_only or isinstance(value, float)
+            )
     return logged
 
 
 def check_metrics_logged(runs: dict[str, Path], metrics: Sequence[str]) -> None:
     """ClipkitError naming each of ``metrics`` (asked for with ``clipkit report --metric``) that no
     run logged as a number, and what they did log (an empty plot otherwise)."""
-    plotted = {
-        key
-        for run_dir in runs.values()
-        if (Path(run_dir) / "metrics.jsonl").is_file()
-        for record in read_metrics(Path(run_dir) / "metrics.jsonl")
-        for key, value in record.items()
-        if isinstance(value, float)
-    }
+    plotted = logged_metrics(runs, numbers_only=True)
     unknown = [metric for metric in metrics if metric not in plotted]
     if unknown:
         raise ClipkitError(

@@ -25,7 +25,7 @@ from typing import Any
 
 from clipkit.contract.types import Sample, optional_member
 from clipkit.errors import ClipkitError, DataError
-from clipkit.eval.evaluate import load_samples
+from clipkit.eval.evaluate import load_samples, require_counts
 from clipkit.eval.metrics import class_baselines, classification_scores
 from clipkit.plugins.evals.class_labels import (
     check_given_classnames,
@@ -92,16 +92,15 @@ class LinearProbe:
         for name, value in (("l2", l2), ("lr", lr)):
             if value is not None and not value > 0:
                 raise ClipkitError(f"linear_probe: {name} must be > 0, got {value!r}")
-        for name, value in (
-            ("max_iter", max_iter),
-            ("epochs", epochs),
-            ("batch_size", batch_size),
-            ("sgd_batch_size", sgd_batch_size),
-            ("limit_train", limit_train),
-            ("limit_test", limit_test),
-        ):
-            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
-                raise ClipkitError(f"linear_probe: {name} must be an integer >= 1, got {value!r}")
+        require_counts(
+            "linear_probe",
+            max_iter=max_iter,
+            epochs=epochs,
+            batch_size=batch_size,
+            sgd_batch_size=sgd_batch_size,
+            limit_train=limit_train,
+            limit_test=limit_test,
+        )
         if classnames is not None:
             check_given_classnames("linear_probe", classnames)
         self.train, self.test, self.label, self.classnames = train, test, label, classnames
