@@ -14,7 +14,13 @@ from clipkit.errors import ClipkitError
 from clipkit.plugins.encoders.text_transformer import text_transformer_tiny
 from clipkit.plugins.encoders.vit import vit_tiny
 from clipkit.plugins.similarities.dot import DotSimilarity
-from clipkit.train.compile import COMPILE_MODES, compile_towers, compile_unavailable, is_compiled
+from clipkit.train.compile import (
+    COMPILE_MODES,
+    compile_towers,
+    compile_unavailable,
+    compiled_units,
+    is_compiled,
+)
 
 EMBED_DIM = 16
 
@@ -22,12 +28,12 @@ EMBED_DIM = 16
 class Towers(nn.Module):
     """The attributes compile_towers looks at, as on clipkit.model.ContrastiveModel."""
 
-    def __init__(self, *, text: bool = True) -> None:
+    def __init__(self, *, text: bool = True, layers: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
         # Smaller than the tiny presets (one layer, width 32, 16 px) to keep compiling short; token
         # outputs with weight heads and a padding mask, so every PointSet field goes through Inductor.
-        points = {"output": "tokens", "weights": "softplus", "width": 32, "layers": 1}
+        points = {"output": "tokens", "weights": "softplus", "width": 32, "layers": layers}
         self.image_encoder = vit_tiny(embed_dim=EMBED_DIM, image_size=16, patch_size=8, **points)
         self.text_encoder = (
             text_transformer_tiny(
@@ -138,3 +144,75 @@ def test_compiled_towers_match_eager_outputs_and_gradients():
         # (measured ≤ 1e-6 of the largest entry; a semantic error is of order 1).
         error = float((got.grad - want.grad).abs().max())
         assert error <= 1e-5 * float(want.grad.abs().max()) + 1e-8, (name, error)
+
+
+def test_block_unit_compiles_each_block_and_leaves_the_rest_eager():
+    """``train.compile_unit: block`` (lazy: no compiler needed): every transformer layer of both
+    towers is compiled, the towers themselves, their embeddings and heads are not, and the
+    state_dict keys stay the eager model's."""
+    model = Towers(layers=3)
+    keys = list(model.state_dict())
+    compile_towers(model, "default", "block")
+    layers = [*model.image_encoder.transformer.blocks, *model.text_encoder.transformer.blocks]
+    assert len(layers) == 6 and all(is_compiled(layer) for layer in layers)
+    assert compiled_units(model, "block") == layers
+    assert not is_compiled(model.image_encoder) and not is_compiled(model.text_encoder)
+    assert not any(is_compiled(m) for m in model.image_encoder.modules() if all(m is not x for x in layers))
+    assert list(model.state_dict()) == keys
+
+
+def test_a_tower_without_blocks_is_compiled_whole_under_the_block_unit():
+    """An encoder with no ModuleList and no ``sharding_blocks()`` has no blocks: compiled whole."""
+    model = Towers(text=False)
+    model.image_encoder = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    compile_towers(model, "default", "block")
+    assert is_compiled(model.image_encoder)
+
+
+def test_unknown_unit_is_refused_with_the_choices():
+    with pytest.raises(ClipkitError, match="train.compile_unit: unknown unit 'layer'.*tower, block"):
+        compile_towers(Towers(), "default", "layer")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad_checkpointing"])
+def test_block_unit_traces_one_graph_per_block_kind_and_matches_eager(checkpointing):
+    """Regional compilation's point: the three identical layers of a tower share one traced graph
+    of one layer's four linear maps (one graph for the image blocks, one for the causal text
+    blocks: two in all, not six; compiled whole, each tower's graph holds all 14 of its linear
+    maps), and the compiled model's loss and every gradient equal eager's, also with each compiled
+    block inside gradient checkpointing. The backend here keeps
+    and runs TorchDynamo's traced graphs as they are (what Inductor would be given; no C++)."""
+    if compile_unavailable():
+        pytest.skip(compile_unavailable())
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    eager = Towers(layers=3)
+    for tower in (eager.image_encoder, eager.text_encoder):  # each block recomputed in backward
+        tower.grad_checkpointing = checkpointing
+    compiled = compile_towers(copy.deepcopy(eager), "default", "block", backend=counting)
+    images, tokens = inputs()
+    want, got = symmetric_infonce(eager, images, tokens), symmetric_infonce(compiled, images, tokens)
+    try:
+        linear_maps = [
+            sum(
+                1 for node in graph.graph.nodes if node.op == "call_function" and "linear" in str(node.target)
+            )
+            for graph in graphs
+        ]
+        assert linear_maps == [4, 4]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        want.backward()
+        got.backward()
+        for (name, expected), (_, actual) in zip(
+            eager.named_parameters(), compiled.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        torch._dynamo.reset()

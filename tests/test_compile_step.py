@@ -166,6 +166,21 @@ def test_compile_scope_step_compiles_towers_and_scoring(registry, in_tmp, smoke_
         assert (trainer.objective.compiled_scoring is not None) == scoring, scope
 
 
+def test_compile_unit_block_compiles_the_blocks_of_the_built_model(registry, in_tmp, smoke_shards):
+    """``train.compile_unit: block`` reaches the trainer's model: its towers' layers are compiled,
+    the towers themselves are not (lazy: nothing compiles here)."""
+    from clipkit.train.compile import compiled_units, is_compiled
+
+    if compile_unavailable():
+        pytest.skip(compile_unavailable())
+    place_smoke_shards(in_tmp, smoke_shards)
+    recipe = recipe_for(registry, "train.compile=default", "train.compile_unit=block")
+    model = build_trainer(recipe, Path(in_tmp / "block"), registry).model
+    layers = compiled_units(model, "block")
+    assert len(layers) >= 2 and all(is_compiled(layer) for layer in layers)
+    assert not is_compiled(model.image_encoder) and not is_compiled(model.text_encoder)
+
+
 def test_warm_compile_is_reported_apart_from_the_steady_speed():
     """The first (compiling) step's wall time is its own field; the interval's speed counts only the
     steps after it; an interval that held only the warm compile reports no speed."""

@@ -23,6 +23,11 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
             "similarity_precision=half does nothing with train.precision=no",
         ),
         (["train.distributed.zero_stage=3"], "zero_stage=3 does nothing with strategy=ddp"),
+        (["train.compile_unit=block"], "train.compile_unit=block does nothing with train.compile=none"),
+        (
+            ["train.compile_scope=step", "train.compile_unit=block"],
+            "train.compile_scope=step, compile_unit=block does nothing",
+        ),
         (
             ["train.distributed.strategy=fsdp2", "train.distributed.offload_optimizer=cpu"],
             "offload_optimizer=cpu",
@@ -40,6 +45,7 @@ def test_the_settings_that_take_effect_warn_nothing(registry, capsys):
     api.resolve(
         "clip@tiny", ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3"], registry
     )
+    api.resolve("clip@tiny", ["train.compile=default", "train.compile_unit=block"], registry)
     assert "warning" not in capsys.readouterr().err
 
 

@@ -26,8 +26,10 @@ Then, while the budget (80 s for the part) lasts, the largest batch that fits, p
 setting: doubling from 256 until ``torch.cuda.OutOfMemoryError`` (one step per size; both models
 and their AdamW state stay resident, ~3.6 GiB; clipkit's trainer keeps its batch plan of 256,
 which matters only for gradient accumulation, off here).
-``torch.compile`` only with ``CLIPKIT_GPU_VIT_COMPILE=1`` (cold compiles do not fit the budget);
-its first step (the warm compile) is reported apart from the steady samples/s.
+``torch.compile`` only with ``CLIPKIT_GPU_VIT_COMPILE=block`` (or ``tower``; cold compiles do not
+fit the default budget: give the part more, ``BUDGET_VIT_STEP=300``): both sides compiled the same
+way, by default regionally (each transformer layer, clipkit's ``train.compile_unit: block``); the
+first step (the cold compile) is reported apart from the steady samples/s.
 
 Issue 38's memory goal: per configuration (checkpointing off and on) and clipkit side, the ratio of
 its step peak memory to open_clip's, goal <= 1.0 (clipkit's ViT keeps its residual stream in bf16
@@ -672,12 +674,13 @@ def main() -> None:
     for side in sides.values():
         side.set_grad_checkpointing(False)
 
-    if os.environ.get("CLIPKIT_GPU_VIT_COMPILE", "") not in ("", "0"):
-        compiled_step(sides, batches, figures, skipped)
+    unit = compile_unit_asked()
+    if unit is not None:
+        compiled_step(sides, batches, figures, skipped, unit)
     else:
         skipped.append(
-            "torch.compile: not run (cold Inductor compiles of both models take minutes, beyond the "
-            "part's 80 s; CLIPKIT_GPU_VIT_COMPILE=1 runs it)"
+            "torch.compile: not run (cold compiles do not fit the part's budget; "
+            "CLIPKIT_GPU_VIT_COMPILE=block BUDGET_VIT_STEP=300 runs it, each layer compiled)"
         )
     extra["wall_s"] = round(time.perf_counter() - STARTED, 1)
     save()
@@ -705,18 +708,40 @@ def mfu_basis(clipkit: ClipkitSide, batch: dict, out: Path, dev: torch.device, s
         failure(skipped, "MFU basis (FLOP count or peak) failed", error)
 
 
-def compiled_step(sides: dict, batches: list[dict], figures: list, skipped: list) -> None:
-    """Optional: both sides with their towers compiled (clipkit's ``compile_towers``, open_clip's
-    ``model.compile()``), first step (compile) and steady samples/s."""
+def compile_unit_asked() -> str | None:
+    """``CLIPKIT_GPU_VIT_COMPILE``: unset or 0 = no compiled step; ``tower`` = each side's towers
+    compiled whole; ``block`` or 1 = regional (each transformer layer), the cold compile that fits a
+    lease (one layer traced per tower instead of twelve; benchmarks/compile_units.py on the CPU)."""
+    asked = os.environ.get("CLIPKIT_GPU_VIT_COMPILE", "").strip().lower()
+    if asked in ("", "0"):
+        return None
+    return "tower" if asked == "tower" else "block"
+
+
+def compile_open_clip(model: torch.nn.Module, unit: str) -> None:
+    """open_clip's model compiled as clipkit's: whole (``model.compile()``, in place), or each
+    residual block of its two transformers (``resblocks``, nn.ModuleLists)."""
+    if unit == "tower":
+        model.compile()
+        return
+    for transformer in (model.visual.transformer, model.transformer):
+        for block in transformer.resblocks:
+            block.compile()
+
+
+def compiled_step(sides: dict, batches: list[dict], figures: list, skipped: list, unit: str) -> None:
+    """Optional: both sides with their towers compiled the same way (``unit``: clipkit's
+    ``compile_towers``, open_clip's :func:`compile_open_clip`), first step (compile) and steady
+    samples/s."""
     from clipkit.train.compile import compile_towers
 
     for name, side in sides.items():
         try:
             began = time.perf_counter()
-            if name == "clipkit":
-                compile_towers(side.model, "default")
-            else:
-                side.model.compile()  # in place, as compile_towers
+            if isinstance(side, OpenClipSide):
+                compile_open_clip(side.model, unit)
+            else:  # clipkit, also its bf16-similarity side
+                compile_towers(side.model, "default", unit)
             runner(side, batches, 1)()
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
@@ -724,21 +749,22 @@ def compiled_step(sides: dict, batches: list[dict], figures: list, skipped: list
             run = runner(side, batches, STEPS_PER_ROUND)
             times = interleaved_ms({name: run}, warmup=1, rounds=ROUNDS)[name]
             rate = median([BATCH * STEPS_PER_ROUND / (ms * 1e-3) for ms in times])
-            log(f"{name}, torch.compile: {rate:.0f} samples/s (first step {first:.1f} s)")
+            log(f"{name}, torch.compile ({unit}): {rate:.0f} samples/s (first step {first:.1f} s)")
+            label = f"torch.compile by {unit}"
             figures.append(
                 figure(
-                    f"{name} {MODEL} step, batch {BATCH}, torch.compile",
+                    f"{name} {MODEL} step, batch {BATCH}, {label}",
                     rate,
                     "samples/s",
                     note="steady state; the warm compile is the figure below, apart",
                 )
             )
             figures.append(
-                figure(f"{name} torch.compile first step (compile)", first, "s", note="cold Inductor cache")
+                figure(f"{name} {label}: first step (compile)", first, "s", note="cold Inductor cache")
             )
-            mfu_figure(figures, f"{name} {MODEL} MFU, batch {BATCH}, torch.compile", rate)
+            mfu_figure(figures, f"{name} {MODEL} MFU, batch {BATCH}, {label}", rate)
         except Exception as error:  # noqa: BLE001
-            failure(skipped, f"{name}, torch.compile failed", error)
+            failure(skipped, f"{name}, torch.compile ({unit}) failed", error)
 
 
 if __name__ == "__main__":

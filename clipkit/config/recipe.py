@@ -150,6 +150,18 @@ def settings_without_effect(recipe: dict) -> list[str]:
             f"train.similarity_precision=half does nothing with train.precision={train.get('precision')}: "
             "the features are half precision only in a bf16 or fp16 run"
         )
+    if train.get("compile", "none") == "none":
+        compile_only = {"compile_scope": "towers", "compile_unit": "tower"}
+        changed = [
+            f"{key}={train[key]}"
+            for key, default in compile_only.items()
+            if train.get(key, default) != default
+        ]
+        if changed:
+            lines.append(
+                f"train.{', '.join(changed)} does nothing with train.compile=none: "
+                "they say what train.compile compiles (e.g. train.compile=default)"
+            )
     if distributed.get("strategy", "ddp") != "deepspeed":
         zero_only = {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none"}
         changed = [

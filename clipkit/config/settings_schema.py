@@ -39,6 +39,10 @@ from clipkit.config.dotted import lookup
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 #: What ``train.compile`` covers: the two towers, or the step (the towers and the similarity + loss).
 COMPILE_SCOPES = ("towers", "step")
+#: How each tower is compiled: whole ("tower"), or block by block ("block": regional compilation,
+#: the tower's repeated blocks compiled and the rest left eager; identical blocks share one graph,
+#: so a cold compile traces one transformer layer instead of all of them).
+COMPILE_UNITS = ("tower", "block")
 
 #: Longest data.timeout (seconds; a day): sockets and select() overflow far above it.
 MAX_TIMEOUT = 86400.0
@@ -176,6 +180,9 @@ class TrainConfig:
     # what train.compile covers: towers | step (the towers and the similarity + loss, where both
     # plugins declare `compiles`; clipkit.train.compile)
     compile_scope: Annotated[str, OneOf(COMPILE_SCOPES)] = "towers"
+    # how each tower is compiled: tower (whole) | block (each repeated block; the cold compile
+    # traces one layer, not all; clipkit.train.compile)
+    compile_unit: Annotated[str, OneOf(COMPILE_UNITS)] = "tower"
     threads: int | str = "auto"  # torch intra-op threads; auto: the usable CPUs the loader leaves
     # Estimate the run's memory before training; refuse it when it exceeds what the machine has
     # (clipkit.train.memory_fit); false: run anyway

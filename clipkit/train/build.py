@@ -95,7 +95,7 @@ def build_trainer(recipe: dict, run_dir: Path, registry: Registry, *, resume: bo
     # The weight EMA (train.ema) over the same trainable parameters, in fp32.
     ema = build_ema(model, ema_config(recipe), announce=runtime.is_main)
     if settings.compile != "none":
-        model = compile_model(model, settings.compile)
+        model = compile_model(model, settings.compile, settings.compile_unit)
         if settings.compile_scope == "step":  # the similarity + loss too, where they trace whole
             compile_objective(objective, settings.compile, announce=runtime.is_main)
     # 7. Wrap the step (DDP / DeepSpeed), loading a checkpoint's weights and optimiser around it.
@@ -251,14 +251,15 @@ def fit_batch_to_data(runtime: Runtime, num_samples: int, shards) -> None:
         )
 
 
-def compile_model(model: ContrastiveModel, mode: str) -> ContrastiveModel:
-    """``train.compile``: the towers through ``torch.compile`` (refused where it cannot run)."""
+def compile_model(model: ContrastiveModel, mode: str, unit: str) -> ContrastiveModel:
+    """``train.compile``: the towers (whole, or block by block: ``train.compile_unit``) through
+    ``torch.compile`` (refused where it cannot run)."""
     from clipkit.train.compile import compile_towers, compile_unavailable
 
     reason = compile_unavailable()
     if reason:
         raise ClipkitError(f"train.compile={mode}: {reason}; use train.compile=none")
-    return compile_towers(model, mode)
+    return compile_towers(model, mode, unit)
 
 
 def compile_objective(objective, mode: str, *, announce: bool) -> None:

@@ -9,6 +9,11 @@ similarity and the loss too.
   backward with it. The gathers between the two (collectives), the finiteness agreement, the
   backward call and the optimiser step stay eager.
 
+``train.compile_unit`` says how each tower is compiled: ``tower`` (whole, the default) or ``block``
+(regional compilation: each repeated block — a transformer layer, a residual block — compiled and
+the rest of the tower eager; identical blocks share one graph, so the cold compile traces one layer
+per block shape instead of every layer).
+
 The scoring is compiled only where it can be traced whole, which a plugin declares
 (``compiles = True`` on the similarity and on the loss: plain tensor code, no generator, no custom
 autograd Function, no Python value read off a tensor). Everything else falls back to eager
@@ -30,32 +35,54 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from clipkit.config.settings_schema import COMPILE_MODES
+from clipkit.config.settings_schema import COMPILE_MODES, COMPILE_UNITS
 from clipkit.contract.types import CONTEXT_FIELDS, optional_member
 from clipkit.errors import ClipkitError
 
-#: The model attributes holding the towers (``text_encoder`` is None for two-view models).
-TOWERS = ("image_encoder", "text_encoder")
 
+def compile_towers(
+    model: Any, mode: str = "default", unit: str = "tower", *, backend: str | Callable = "inductor"
+) -> Any:
+    """Compile ``model``'s towers in place (``train.compile``); returns ``model``.
 
-def compile_towers(model: Any, mode: str = "default") -> Any:
-    """Compile ``model.image_encoder`` and ``model.text_encoder`` in place; returns ``model``.
+    ``unit``: ``"tower"`` compiles each tower whole; ``"block"`` compiles each of its blocks
+    (:func:`compiled_units`) and leaves the rest (embeddings, heads, final norms) eager. Regional
+    compilation: TorchDynamo treats a block's parameters as inputs, so identical blocks share one
+    compiled graph and a cold compile traces one layer per block shape instead of all of them.
 
     Uses ``nn.Module.compile``, which swaps the module's call for the compiled one but keeps the
     module object and its parameter names, so checkpoints, exports and optimizers built before or
     after compiling see the same ``state_dict`` keys (``torch.compile(module)`` would instead wrap
     it and prefix every key with ``_orig_mod.``). Compilation itself happens lazily on the first
-    forward pass (tens of seconds on a CPU), and again for each new input shape.
+    forward pass (tens of seconds on a CPU), and again for each new input shape. ``backend``:
+    Inductor; tests pass another TorchDynamo backend (the same traced graphs, no C++ compile).
     """
     if mode not in COMPILE_MODES:
         raise ClipkitError(f"train.compile: unknown mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+    if unit not in COMPILE_UNITS:
+        raise ClipkitError(
+            f"train.compile_unit: unknown unit {unit!r}; choose one of {', '.join(COMPILE_UNITS)}"
+        )
     if mode == "none":
         return model
-    for name in TOWERS:
-        tower = getattr(model, name, None)
-        if tower is not None:
-            tower.compile(mode=mode)
+    options = {"mode": mode} if backend == "inductor" else {"backend": backend}
+    for module in compiled_units(model, unit):
+        module.compile(**options)
     return model
+
+
+def compiled_units(model: Any, unit: str) -> list[Any]:
+    """The modules ``compile_towers`` compiles: each tower, or (``unit="block"``) each tower's
+    blocks — what its encoder declares with ``sharding_blocks()``, else the members of its
+    outermost ``nn.ModuleList``s (:func:`clipkit.train.runtime.wrapping.blocks`, the units FSDP2
+    shards). A tower without blocks is compiled whole."""
+    from clipkit.train.runtime.wrapping import blocks, towers
+
+    chosen: list[Any] = []
+    for tower in towers(model):
+        parts = blocks(tower) if unit == "block" else []
+        chosen += parts or [tower]
+    return chosen
 
 
 #: LossContext fields a compiled scoring can take: tensors and point sets. The others are Python
