@@ -488,6 +488,68 @@ def test_webdataset_round_trip_gives_new_indices(shards, tmp_path):
     assert [s.key for s in direct] == ["s0/a", "b", "c"] and manifest["info"]["shards"] == 2
 
 
+def mixed_caption_tars(root: Path) -> Path:
+    """Four samples in two tars; "c" (the third) has a label and no caption field."""
+    write_tar(root / "part-0.tar", [("a.png", png((1, 0, 0))), ("a.txt", "red"), ("b.png", png((0, 1, 0))),
+                                    ("b.txt", "green")])  # fmt: skip
+    write_tar(root / "part-1.tar", [("c.png", png((0, 0, 1))), ("c.cls", "1"), ("d.png", png((2, 2, 2))),
+                                    ("d.txt", "grey")])  # fmt: skip
+    return root
+
+
+def shard_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from clipkit.app.cli import make_app
+    from clipkit.contract.manager import make_plugin_manager
+
+    return CliRunner().invoke(make_app(make_plugin_manager(autoload=False)), ["shard", *map(str, args)])
+
+
+# Both ways `clipkit shard` reads tars: re-indexed by the webdataset: source, and a bare folder of tars.
+@pytest.mark.parametrize("form", ["webdataset:{}", "{}"])
+def test_caption_less_samples_of_a_captioned_set_are_counted_and_warned(tmp_path, form):
+    """Kept (label-only samples are allowed), but counted in the manifest and said at shard time:
+    training a text tower on the set stops at them, long after sharding."""
+    result = shard_cli(form.format(mixed_caption_tars(tmp_path / "in")), tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["n"] == 4  # nothing dropped
+    assert manifest["info"]["uncaptioned"] == 1
+    assert manifest["info"]["uncaptioned_example"] == {"index": 2, "key": "c"}
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "1 of 4 samples have no caption" in warnings[0], result.output
+    assert "'c'" in warnings[0] and "text tower" in warnings[0]
+
+
+def test_a_label_only_set_is_counted_without_a_warning(tmp_path):
+    write_tar(tmp_path / "in/x.tar", [("a.png", png((1, 0, 0))), ("a.cls", "0"), ("b.png", png((0, 1, 0)))])
+    result = shard_cli(f"webdataset:{tmp_path / 'in'}", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out/manifest.json").read_text())["info"]["uncaptioned"] == 2
+    assert "warning" not in result.output  # an evaluation set: nothing to warn about
+
+
+def test_caption_less_count_survives_an_interrupted_run(tmp_path, capsys):
+    from clipkit.data.shard_writer import ensure_shards
+
+    source = f"webdataset:{mixed_caption_tars(tmp_path / 'in')}"
+    seen = []
+
+    def stop_after_three(count):  # c (index 2) is in the third one-sample shard, finished
+        seen.append(count)
+        if sum(seen) > 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        api.shard(source, tmp_path / "out", samples_per_shard=1, progress=stop_after_three)
+    manifest = api.shard(source, tmp_path / "out", samples_per_shard=1)
+    assert manifest["info"]["uncaptioned"] == 1 and manifest["info"]["uncaptioned_example"]["key"] == "c"
+    # Sharded for `clipkit train` (data.source): the same warning, on stderr.
+    ensure_shards(str(tmp_path / "train"), source)
+    assert "warning: 1 of 4 samples have no caption" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # idx files (MNIST layout)
 

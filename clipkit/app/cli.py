@@ -199,6 +199,7 @@ def shard_command(
         for part, manifest in manifests.items():
             shards = len(manifest["shards"])
             typer.echo(f"{part}: wrote {manifest['n']} samples in {shards} shard(s) to {out / part}")
+            print_uncaptioned(manifest)
         print_image_counts(next(iter(manifests.values())))
         return
     with said_on_interrupt(out), step_progress("sharding", total=None) as report:
@@ -218,7 +219,17 @@ def shard_command(
 
     if skipped_rows_line(manifest):
         typer.echo(skipped_rows_line(manifest))
+    print_uncaptioned(manifest)
     print_image_counts(manifest)
+
+
+def print_uncaptioned(manifest: dict) -> None:
+    """One ``warning:`` line on stderr when some samples have captions and others none."""
+    from clipkit.data.shard_writer import uncaptioned_line
+
+    line = uncaptioned_line(manifest)
+    if line:
+        typer.echo(line, err=True)
 
 
 @contextlib.contextmanager

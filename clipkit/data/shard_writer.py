@@ -25,6 +25,11 @@ Each sample is stored under key = its global index (zero-padded, 9 digits) with 
 ``<image_ext>`` (the image bytes as given), ``txt`` (the first caption, when there is one) and
 ``json`` (``{"index", "key", "captions", "meta"}``), plus the extra members of an annotated sample
 (``clipkit shard --teacher``'s embeddings, :mod:`clipkit.data.teacher_shards`).
+
+Samples written without a caption (label-only ones, which evaluation sets are made of) are counted
+in the manifest's ``info.uncaptioned`` with the first as ``info.uncaptioned_example``; where some
+samples have captions and some not, the command says so (:func:`uncaptioned_line`): a text tower
+cannot train on such a set, and would otherwise only stop at the first such sample mid-training.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,8 @@ from clipkit.errors import ClipkitError, DataError
 
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = "clipkit-shard-journal/1"
+#: The manifest ``info`` keys counting samples written without a caption.
+UNCAPTIONED_KEYS = ("uncaptioned", "uncaptioned_example")
 #: Tar member mtime: fixed so shards are reproducible byte for byte (and resumable ones identical);
 #: an int, since a float makes tarfile write a 1 KiB PAX header before every member.
 MEMBER_MTIME = 0
@@ -254,6 +262,8 @@ class ResumableWriter:
         self.shards: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
         self.fields: set[str] = set()
+        # Samples of the finished shards written without a caption: {"count", "example"} (journaled).
+        self.uncaptioned: dict[str, Any] = {"count": 0, "example": None}
         self.abandoned: OpenShard | None = None  # the shard being written when a run failed
 
     # -- journal ---------------------------------------------------------------------------
@@ -286,6 +296,7 @@ class ResumableWriter:
             )
         self.shards, self.state = list(journal["shards"]), dict(journal.get("state") or {})
         self.fields = set(journal.get("fields") or [])
+        self.uncaptioned = dict(journal.get("uncaptioned") or {"count": 0, "example": None})
         listed = {shard["name"] for shard in self.shards} | {JOURNAL}
         listed |= {index_path(Path(name)).name for name in listed}
         for leftover in self.partial.iterdir():
@@ -301,6 +312,7 @@ class ResumableWriter:
             "shards": self.shards,
             "state": self.state,
             "fields": sorted(self.fields),
+            "uncaptioned": self.uncaptioned,
         }
         atomic_write_text(self.partial / JOURNAL, json.dumps(journal, indent=1) + "\n")
 
@@ -392,6 +404,8 @@ class ResumableWriter:
     def finish_shard(self, shard: OpenShard, samples) -> None:
         final = shard.close()
         self.fields.update(shard.fields)
+        self.uncaptioned["count"] += shard.uncaptioned
+        self.uncaptioned["example"] = self.uncaptioned["example"] or shard.uncaptioned_example
         digest = sha256(final)
         self.shards.append(
             {"name": final.name, "count": shard.count, "sha256": digest, "first_index": shard.first_index}
@@ -407,11 +421,21 @@ class ResumableWriter:
         the source. The journal goes last, from ``OUT``: a leftover one there is harmless (no
         reader looks at it) and removed by the next writer.
         """
-        manifest = build_manifest(self.shards, sorted(self.fields), self.source, info)
+        manifest = build_manifest(self.shards, sorted(self.fields), self.source, self.counted(info))
         atomic_write_text(self.partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         replace_directory(self.partial, self.out_dir)
         (self.out_dir / JOURNAL).unlink(missing_ok=True)
         return manifest
+
+    def counted(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The source's ``info`` with this run's count of samples written without a caption (a
+        re-sharded set's own count is replaced: it is counted again here)."""
+        info = {key: value for key, value in info.items() if key not in UNCAPTIONED_KEYS}
+        if self.uncaptioned["count"]:
+            info.update(
+                uncaptioned=self.uncaptioned["count"], uncaptioned_example=self.uncaptioned["example"]
+            )
+        return info
 
     def finish_completed(self) -> dict[str, Any] | None:
         """The manifest of a set a killed run completed but did not rename yet (None otherwise):
@@ -450,6 +474,8 @@ class OpenShard:
         self.fields: set[str] = set()
         self.keys: list[str] = []  # per record: its key and where its first header starts (the index)
         self.offsets: list[int] = []
+        self.uncaptioned = 0  # samples without a caption, and the first one's index and key
+        self.uncaptioned_example: dict[str, Any] | None = None
 
     @property
     def size(self) -> int:
@@ -466,6 +492,12 @@ class OpenShard:
         self.fields.update(key for key in record if not key.startswith("__"))
         self.keys.append(record["__key__"])
         self.offsets.append(offset)
+        if not sample.captions:
+            self.uncaptioned += 1
+            self.uncaptioned_example = self.uncaptioned_example or {
+                "index": self.first_index + self.count,
+                "key": sample.key,
+            }
         self.count += 1
 
     def abandon(self) -> None:
@@ -496,6 +528,9 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
         line = skipped_rows_line(manifest)
         if line:  # what `clipkit shard` prints: no row is left out without a word
             print(f"data: {line} (while sharding {source} into {directory})", flush=True)
+        warning = uncaptioned_line(manifest)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     return directory
 
 
@@ -507,6 +542,23 @@ def skipped_rows_line(manifest: dict) -> str:
         return ""
     reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
     return f"skipped {sum(skipped.values())} bad row(s): {reasons}"
+
+
+def uncaptioned_line(manifest: dict) -> str:
+    """``warning: 1 of 3 samples have no caption ...`` when a set mixes samples with and without
+    captions, or "" (all captioned; or none, a label-only evaluation set). Such samples are kept
+    (zero-shot evaluation uses them), but a text tower cannot train on them: the loader stops at
+    the first one, maybe hours into a run, so `clipkit shard` says it when it writes the set."""
+    info = manifest.get("info") or {}
+    count, total = int(info.get("uncaptioned") or 0), int(manifest.get("n") or 0)
+    if not 0 < count < total:
+        return ""
+    example = info.get("uncaptioned_example") or {}
+    return (
+        f"warning: {count} of {total} samples have no caption (e.g. key {example.get('key')!r}, stored "
+        f"as index {example.get('index')}): kept for evaluation, but training a text tower on this set "
+        "stops at the first one; give them captions or leave them out of the source to train on it"
+    )
 
 
 def check_shards(shards: str, source: str, *, pm=None):
