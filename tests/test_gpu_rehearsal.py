@@ -152,3 +152,30 @@ def test_summary_reads_failed_tests_from_the_junit_report(tmp_path):
     assert summarize.read_junit(tmp_path / "absent.xml") == {"ran": False}
     cut = summarize.markdown([], [{"step": "tests", "status": "timed out after 150s", "seconds": 150}], tests)
     assert "1 skipped (PARTIAL: the step did not finish" in cut  # counts of a killed run are not a verdict
+
+
+def test_the_compiled_step_compiles_both_sides_the_same_way(monkeypatch):
+    """``CLIPKIT_GPU_VIT_COMPILE``: ``block`` (or 1) compiles each transformer layer of open_clip's
+    model, as clipkit's ``train.compile_unit: block`` does its own; ``tower`` the whole model;
+    unset or 0 runs no compiled step. Lazy: nothing is compiled here."""
+    from clipkit.train.compile import is_compiled
+
+    monkeypatch.setenv("CLIPKIT_GPU_REHEARSAL", "1")
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "gpu"))
+    import part_vit_step as vit
+
+    for value, unit in (("", None), ("0", None), ("1", "block"), ("block", "block"), ("tower", "tower")):
+        monkeypatch.setenv("CLIPKIT_GPU_VIT_COMPILE", value)
+        assert vit.compile_unit_asked() == unit, value
+    try:
+        open_clip = vit.import_open_clip()
+    except ImportError:
+        pytest.skip("open_clip is not installed (the interop extra)")
+    vision = {"image_size": 16, "layers": 2, "width": 32, "patch_size": 8, "head_width": 16}
+    text = {"context_length": 8, "vocab_size": 50, "width": 32, "heads": 2, "layers": 2}
+    for unit in ("block", "tower"):
+        model = open_clip.CLIP(embed_dim=16, vision_cfg=vision, text_cfg=text)
+        vit.compile_open_clip(model, unit)
+        layers = [*model.visual.transformer.resblocks, *model.transformer.resblocks]
+        assert len(layers) == 4 and all(is_compiled(layer) == (unit == "block") for layer in layers)
+        assert is_compiled(model) == (unit == "tower")
