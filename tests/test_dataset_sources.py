@@ -488,6 +488,28 @@ def test_webdataset_round_trip_gives_new_indices(shards, tmp_path):
     assert [s.key for s in direct] == ["s0/a", "b", "c"] and manifest["info"]["shards"] == 2
 
 
+def test_a_gzip_tar_named_tar_is_read_by_the_webdataset_source_and_refused_by_the_loader(tmp_path):
+    """``webdataset:`` reads compressed tars (it writes plain ones); the loader reads plain tars only,
+    so a folder or list holding a gzip-compressed ``.tar`` is refused before anything is read,
+    naming the file and the command that reads it (it was a `corrupt_tar` once training ran)."""
+    from clipkit.data.shard_sets import resolve
+
+    write_tar(tmp_path / "in/a.tar", [("a.png", png((1, 0, 0))), ("a.txt", "plain")])
+    write_tar(tmp_path / "in/b.tar.gz", [("b.png", png((0, 1, 0))), ("b.txt", "gzipped")])
+    (tmp_path / "in/b.tar.gz").rename(tmp_path / "in/b.tar")
+    said = r"b\.tar is a gzip-compressed tar.*clipkit shard webdataset:"
+    with pytest.raises(DataError, match=said):
+        resolve(str(tmp_path / "in"))
+    with pytest.raises(DataError, match=said):
+        resolve(f"{tmp_path}/in/{{a,b}}.tar")
+    refused = shard_cli(tmp_path / "in", tmp_path / "streamed")  # a bare folder: read as the loader reads it
+    assert refused.exit_code == 2 and "b.tar is a gzip-compressed tar" in refused.output, refused.output
+    assert not (tmp_path / "streamed").exists()
+    result = shard_cli(f"webdataset:{tmp_path / 'in'}", tmp_path / "out")
+    assert result.exit_code == 0 and "wrote 2 samples" in result.output, result.output
+    assert resolve(str(tmp_path / "out")).num_samples == 2  # what it wrote, the loader reads
+
+
 def mixed_caption_tars(root: Path) -> Path:
     """Four samples in two tars; "c" (the third) has a label and no caption field."""
     write_tar(root / "part-0.tar", [("a.png", png((1, 0, 0))), ("a.txt", "red"), ("b.png", png((0, 1, 0))),

@@ -151,3 +151,22 @@ def test_a_damaged_first_header_and_not_a_tar_are_errors():
         fast(b"this is not a tar file at all " * 40)
     with pytest.raises(tarfile.ReadError, match="empty file"):
         fast(b"")
+
+
+@pytest.mark.parametrize("small", [False, True])  # a gzip stream under one block: "truncated header" before
+def test_a_gzip_compressed_tar_under_a_tar_name_is_named_as_such(tmp_path, small):
+    """The loader reads uncompressed tars; a .tar.gz named .tar was a "corrupt_tar" (bad checksum,
+    invalid or truncated header). It is refused, naming the file, what it is and what to do."""
+    import gzip
+
+    from clipkit.errors import DataError
+
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(gzip.compress(make_tar(tarfile.USTAR_FORMAT, SAMPLES[:2] if small else SAMPLES)))
+    assert small == (shard.stat().st_size < tarfile.BLOCKSIZE)
+    said = r"x\.tar is a gzip-compressed tar.*uncompressed tars only.*gunzip.*clipkit shard webdataset:"
+    with pytest.raises(DataError, match=said):
+        list(tar_records(str(shard)))
+    with pytest.raises(DataError, match=said):  # a lane starting inside it: its headers are read, seeking
+        list(tar_records(str(shard), skip=1))
+    assert [name for name, _ in fast(make_tar(tarfile.USTAR_FORMAT, SAMPLES))[0]] == [n for n, _ in SAMPLES]

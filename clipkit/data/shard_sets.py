@@ -37,6 +37,7 @@ from clipkit.data.remote import (
     redact,
     scheme_of,
 )
+from clipkit.data.tar_stream import check_local_shards  # a .tar.gz named .tar is refused, named
 from clipkit.errors import DataError
 
 MANIFEST, SIZES = "manifest.json", "sizes.json"
@@ -158,6 +159,7 @@ def resolve(spec: str, patience: Patience = Patience()) -> ShardSet:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DataError(f"data.shards {spec}: {missing[0]} does not exist{more}")
+    check_local_shards(local)
     return ShardSet(spec, tuple(urls), shard_counts(urls, spec, patience))
 
 
@@ -177,6 +179,7 @@ def resolve_directory(path: Path) -> ShardSet:
     tars = sorted(str(tar) for tar in path.glob("*.tar"))
     if not tars:
         raise DataError(f"data.shards {path}: holds no shards (no {MANIFEST} and no .tar files)")
+    check_local_shards(tars)
     return ShardSet(str(path), tuple(tars), shard_counts(tars, str(path), Patience()))
 
 

@@ -16,6 +16,9 @@ counted by a metering reader) either way.
 One difference, on purpose: a member header whose checksum is wrong after the first member is an
 error (``tarfile.ReadError``), where ``tarfile`` ends the archive there without one — which read a
 shard with one damaged header as a shorter, valid shard and dropped every record after it.
+
+A compressed stream where the archive should start (a ``.tar.gz`` renamed ``.tar``) is
+:class:`CompressedTar`, which says what it is: this reader, like the loader, reads plain tars only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,35 @@ CHUNK = tarfile.RECORDSIZE
 ZERO_BLOCK = bytes(BLOCK)
 #: Header types of a regular file (``tarfile.REGULAR_TYPES``): "0", the old NUL, contiguous "7".
 REGULAR = (b"0", b"\0", b"7")
+#: Magic numbers of the compressed streams ``tarfile`` reads (``clipkit shard webdataset:`` does).
+COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
+
+
+class CompressedTar(tarfile.ReadError):
+    """A compressed stream where a tar should start; ``kind`` is "gzip", "bzip2" or "xz"."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"a {kind}-compressed stream, not a tar")
+        self.kind = kind
+
+
+def compression(head: bytes) -> str | None:
+    """The compression of a file starting with ``head`` (its first block, or what there is of it):
+    None when it is a tar (a first header that checks out) or starts with no known magic number.
+    The header is checked first, so a tar whose first member is named "BZh..." stays a tar."""
+    try:
+        if len(head) >= BLOCK and regular_file(head[:BLOCK], 0) is not None:
+            return None
+    except tarfile.TarError:
+        pass  # not a header: look for a magic number
+    return next((kind for magic, kind in COMPRESSIONS.items() if head.startswith(magic)), None)
+
+
+def check_uncompressed(head: bytes) -> None:
+    """:class:`CompressedTar` when ``head``, the first bytes of what should be a tar, is compressed."""
+    kind = compression(head)
+    if kind is not None:
+        raise CompressedTar(kind)
 
 
 class TarMembers:
@@ -70,10 +102,16 @@ class TarMembers:
             block = self.take(BLOCK)
             if len(block) < BLOCK or block == ZERO_BLOCK:  # the end, whole or cut
                 if offset == 0 and len(block) < BLOCK:
+                    check_uncompressed(block)  # a small compressed file is shorter than a block
                     raise tarfile.ReadError("empty file" if not block else "truncated header")
                 self.ending = self.position - offset
                 return
-            header = regular_file(block, offset)
+            try:
+                header = regular_file(block, offset)
+            except tarfile.TarError:
+                if offset == 0:
+                    check_uncompressed(block)  # say what it is rather than "bad checksum"
+                raise
             if header is None:  # anything else: tarfile reads the rest, from this header on
                 yield from self.rest_by_tarfile(block)
                 return

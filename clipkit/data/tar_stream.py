@@ -30,12 +30,14 @@ from clipkit.data.remote import (
     RangeIgnored,
     ShardUnavailable,
     open_shard,
+    redact,
     scheme_of,
     stream_size,
     transport_fault,
 )
 from clipkit.data.tar_index import MEMBER_NAME, load_index, record_starts
-from clipkit.data.tar_members import TarMembers
+from clipkit.data.tar_members import BLOCK, CompressedTar, TarMembers, compression
+from clipkit.errors import DataError
 
 READ_BUFFER = 1 << 20
 
@@ -240,6 +242,8 @@ def window_records(url: str, patience: Patience, meter: Meter, window: Window) -
         stream.drain()  # only reached once the tar's last record is taken: count the whole file
     except ShardUnavailable:
         raise
+    except CompressedTar as error:
+        raise compressed_tar(url, error.kind) from None
     except (tarfile.TarError, EOFError) as error:
         raise ShardUnavailable(
             url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})"
@@ -315,7 +319,44 @@ def member_offset(url: str, record: int, meter: Meter) -> Window | None:
     except OSError as error:
         raise ShardUnavailable(url, "unreachable", str(error)) from error
     except (tarfile.TarError, EOFError, ValueError) as error:
+        kind = local_compression(url)
+        if kind is not None:
+            raise compressed_tar(url, kind) from None
         raise ShardUnavailable(
             url, "corrupt_tar", f"not a readable tar ({type(error).__name__}: {error})"
         ) from error
     return None
+
+
+#: Each kind of stream: the suffix it usually has and the command that decompresses it.
+DECOMPRESS = {"gzip": (".tar.gz", "gunzip"), "bzip2": (".tar.bz2", "bunzip2"), "xz": (".tar.xz", "unxz")}
+
+
+def compressed_tar(url: str, kind: str) -> DataError:
+    """The refusal of a compressed shard: a stream cannot be read from a record's offset, so the
+    loader reads plain tars only, while ``clipkit shard webdataset:`` reads compressed ones (and
+    writes plain ones). A refusal, not a skipped shard: every sample in it would be lost unseen."""
+    shown, (suffix, command) = redact(url), DECOMPRESS[kind]
+    return DataError(
+        f"{shown} is a {kind}-compressed tar, not a plain one (a {suffix} under another name?): the loader "
+        f"reads uncompressed tars only; decompress it ({command} < {shown} > plain.tar) or shard the set "
+        "with `clipkit shard webdataset:PATH OUT`, which reads it"
+    )
+
+
+def local_compression(path: str) -> str | None:
+    """The compression of the local file at ``path`` (None: a tar, unknown, or unreadable)."""
+    try:
+        with open(path.removeprefix("file://"), "rb") as stream:
+            return compression(stream.read(BLOCK))
+    except OSError:
+        return None
+
+
+def check_local_shards(paths: list[str]) -> None:
+    """Refuse (:func:`compressed_tar`) a local shard that is compressed before anything is read
+    from the set, rather than when a loader worker meets it mid-epoch; reads one block of each."""
+    for path in paths:
+        kind = local_compression(path)
+        if kind is not None:
+            raise compressed_tar(path, kind)
