@@ -251,3 +251,49 @@ def test_point_set_and_two_view_tiny_variants_keep_their_towers(spec, registry):
     from clipkit.app import api
 
     assert not defaults.takes_text_tower(api.resolve(spec, [], registry))
+
+
+def tar_folder(root, counts: list[int]):
+    """WebDataset tars of ``counts`` image-caption samples each, with no manifest.json beside them."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    root.mkdir()
+    for number, count in enumerate(counts):
+        with tarfile.open(root / f"part-{number}.tar", "w") as tar:
+            for sample in range(count):
+                image = io.BytesIO()
+                Image.new("RGB", (8, 8), (number, sample, 0)).save(image, format="PNG")
+                for name, data in (
+                    (f"{number}-{sample}.png", image.getvalue()),
+                    (f"{number}-{sample}.txt", b"x"),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root
+
+
+def test_a_folder_of_tars_is_sized_by_num_samples_or_its_counts(in_tmp, registry, monkeypatch):
+    """`--data DIR` of tars without a manifest said "no manifest.json and no data.source" even with
+    data.num_samples, where `data.shards=DIR` trains: it is sized as the loader sizes it."""
+    from clipkit.app import api
+    from clipkit.app.own_data import OwnData
+    from clipkit.app.run_length import size_run
+    from clipkit.errors import DataError
+
+    monkeypatch.setattr(defaults, "has_minilm", lambda: False)
+    folder = tar_folder(in_tmp / "tars", [3, 2])
+
+    def length_line(user: list[str]) -> str:
+        recipe = api.resolve("clip@tiny", user, registry, own_data=OwnData(data=str(folder)))
+        return size_run("clip@tiny", recipe, user, 2, registry)[1]
+
+    assert "= 2 epochs of your 5 samples" in length_line(["data.num_samples=5"])
+    with pytest.raises(DataError, match=rf"{folder}: no manifest.json or sizes.json .*set data.num_samples"):
+        length_line([])  # named: the folder, and what to give
+    (folder / "sizes.json").write_text(json.dumps({"part-0.tar": 3, "part-1.tar": 2}))
+    assert "= 2 epochs of your 5 samples" in length_line([])
+    assert not (in_tmp / "data").exists()  # read in place, never sharded

@@ -76,17 +76,20 @@ def training_batch(recipe: dict, num_samples: int) -> int:
 
 def count_training_samples(recipe: dict, registry) -> int | None:
     """The samples training sees of ``recipe``'s data: its shards (made from ``data.source`` now,
-    when missing) less the held-out split. None under several processes when the shards are not
+    when missing) less the held-out split, or those of a streamed set (:func:`streamed_samples`).
+    None under several processes when the shards are not
     made yet: every process runs this before any can wait for another, so none may shard here
     (process 0 shards during training, as without ``--data``)."""
     from clipkit.config.recipe import section
     from clipkit.data.loader import training_split
     from clipkit.data.shard import MANIFEST
     from clipkit.data.shard_writer import ensure_shards
-    from clipkit.train.build import check_data_location, shard_target
+    from clipkit.train.build import check_data_location, is_streamed_data, shard_target
 
     data = section(recipe, "data")
     check_data_location(recipe, registry)  # the same refusals as training's, before anything is written
+    if is_streamed_data(data):
+        return streamed_samples(data)
     target = shard_target(data)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (Path(target) / MANIFEST).is_file():
         return None
@@ -94,6 +97,18 @@ def count_training_samples(recipe: dict, registry) -> int | None:
     from clipkit.app.own_data import recipe_holdout
 
     return training_split(shards, recipe_holdout(data)).num_samples
+
+
+def streamed_samples(data) -> int:
+    """The samples of an epoch of shards read in place (a folder of tars without a manifest, URLs,
+    a mixture; never held out): sized as the loader sizes it, by ``data.num_samples`` or else the
+    counts of a ``manifest.json`` / ``sizes.json`` beside the shards; a DataError naming the shards
+    and ``data.num_samples`` when neither is there. Nothing is sharded: there is no source."""
+    from clipkit.data.mixture import stream_sources
+    from clipkit.data.remote import Patience
+
+    patience = Patience(timeout=data.timeout, retries=data.retries)
+    return stream_sources(data.shards, data.mixture, data.num_samples, patience)[1]
 
 
 def plan(
