@@ -392,6 +392,31 @@ def test_index_refuses_a_tar_cut_short_naming_it(shards, tmp_path, cut):
     assert not index_path(second).exists()
 
 
+def test_index_goes_on_past_unreadable_tars_and_names_each(shards, tmp_path):
+    """``--index`` stopped at the first unreadable tar, leaving the readable ones after it without
+    an index: now every readable tar is indexed, each unreadable one is named (as ``--verify``
+    names each problem) and the command fails saying how many were not indexed."""
+    import gzip
+
+    from typer.testing import CliRunner
+
+    from clipkit.app.cli import make_app
+
+    first, second = sorted(shards.glob("*.tar"))[:2]
+    shutil.copy(first, tmp_path / "a.tar")
+    (tmp_path / "b.tar").write_bytes(first.read_bytes()[:700])  # cut inside its first member
+    (tmp_path / "c.tar").write_bytes(gzip.compress(second.read_bytes()))  # a .tar.gz named .tar
+    shutil.copy(second, tmp_path / "d.tar")
+    result = CliRunner().invoke(make_app(), ["shard", str(tmp_path), "--index"])
+    assert result.exit_code == 2, result.output
+    assert index_path(tmp_path / "a.tar").is_file() and index_path(tmp_path / "d.tar").is_file()
+    assert index_path(tmp_path / "d.tar").read_bytes() == index_path(second).read_bytes()
+    assert not index_path(tmp_path / "b.tar").exists() and not index_path(tmp_path / "c.tar").exists()
+    assert f"{tmp_path / 'b.tar'}: not a readable tar" in result.output
+    assert f"{tmp_path / 'c.tar'} is a gzip-compressed tar" in result.output
+    assert "2 of 4 tar(s) not indexed" in result.output and "the other 2 are" in result.output
+
+
 def test_the_index_of_a_foreign_tar_groups_records_as_the_loader_does(tmp_path):
     """A tar another tool wrote (directories in member names, a directory member, dots in folder
     names): its index enters each record exactly where the loader's own grouping starts it."""

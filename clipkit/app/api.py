@@ -159,7 +159,8 @@ def shard_split(
 
 def index_shards(directory: Path) -> list[Path]:
     """Write the record index beside every ``.tar`` in ``directory`` (:mod:`clipkit.data.tar_index`);
-    the index files written."""
+    the index files written. Tars that cannot be read are :class:`~clipkit.data.tar_index.UnindexedTars`
+    (a DataError naming each, with the indexes written for the others), raised once all are done."""
     from clipkit.data.tar_index import index_directory
 
     return index_directory(Path(directory))

@@ -178,8 +178,7 @@ def shard_command(
         verify_command(out or Path(source))
         return
     if index:
-        written = api.index_shards(out or Path(source))
-        typer.echo(f"wrote {len(written)} index(es) beside the tars in {out or source}")
+        index_command(out or Path(source))
         return
     if out is None:
         raise typer.BadParameter("missing OUT (the directory to write)")
@@ -258,6 +257,24 @@ def print_image_counts(manifest: dict) -> None:
     elif alpha:
         typer.echo(f"{alpha} image(s) with transparency: composited onto data.background (default white) "
                    "when loaded; -o background=COLOUR does it now")  # fmt: skip
+
+
+def index_command(directory: Path) -> None:
+    """``clipkit shard DIR --index``: each tar it could not read on its own line (as ``--verify``
+    lists its problems), then one error line; the indexes of the readable tars are kept."""
+    from clipkit.app import api
+    from clipkit.data.tar_index import UnindexedTars
+
+    try:
+        written = api.index_shards(directory)
+    except UnindexedTars as error:
+        for problem in error.problems:
+            typer.secho(f"  {problem}", fg="red", err=True)
+        raise ClipkitError(
+            f"{directory}: {len(error.problems)} of {len(error.problems) + len(error.written)} tar(s) not "
+            f"indexed (named above); the other {len(error.written)} are: their indexes were written"
+        ) from None
+    typer.echo(f"wrote {len(written)} index(es) beside the tars in {directory}")
 
 
 def verify_command(directory: Path) -> None:

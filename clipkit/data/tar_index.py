@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from clipkit.data.remote import Patience, ShardUnavailable, read_small, scheme_of
+from clipkit.errors import DataError
 
 #: A tar member's name -> (key, field): the key is the path up to the first dot of the file name,
 #: as WebDataset groups members into records (``webdataset.tariterators.base_plus_ext``).
@@ -98,8 +99,9 @@ def index_tar(path: Path) -> TarIndex:
 
 def index_directory(directory: Path) -> list[Path]:
     """Write the index beside every ``.tar`` in ``directory`` (shards another tool, or a clipkit
-    before indexes, wrote); the indexes written. A tar that cannot be read is a DataError naming it
-    (the indexes of the others are kept: each is written whole or not at all)."""
+    before indexes, wrote); the indexes written. Every readable tar is indexed (each index whole or
+    not at all); the unreadable ones — cut short, damaged, compressed — are then an
+    :class:`UnindexedTars` naming each, as ``--verify`` names every problem, not only the first."""
     from clipkit.errors import DataError
 
     if not Path(directory).is_dir():
@@ -107,15 +109,41 @@ def index_directory(directory: Path) -> list[Path]:
     tars = sorted(path for path in Path(directory).glob("*.tar") if path.is_file())
     if not tars:
         raise DataError(f"{directory}: no .tar files to index")
-    written = []
+    written, problems = [], []
     for tar in tars:
         try:
             index = index_tar(tar)
         except (tarfile.TarError, OSError, EOFError) as error:
-            why = f"{type(error).__name__}: {error}"
-            raise DataError(f"{tar}: not a readable tar ({why}); not indexed") from None
+            problems.append(unreadable_tar(tar, error))
+            continue
         written.append(write_index(tar, list(index.keys), list(index.offsets), index.size))
+    if problems:
+        raise UnindexedTars(Path(directory), len(tars), written, problems)
     return written
+
+
+def unreadable_tar(tar: Path, error: BaseException) -> str:
+    """Why ``tar`` has no index: what a compressed one is (the loader cannot read it either), or
+    the reader's error."""
+    from clipkit.data.tar_stream import compressed_tar, local_compression
+
+    kind = local_compression(str(tar))
+    if kind is not None:
+        return f"{compressed_tar(str(tar), kind)}; not indexed"
+    return f"{tar}: not a readable tar ({type(error).__name__}: {error}); not indexed"
+
+
+class UnindexedTars(DataError):
+    """Tars ``--index`` could not read; ``written``: the indexes of the others, ``problems``: one
+    line per unreadable tar, naming it."""
+
+    def __init__(self, directory: Path, total: int, written: list[Path], problems: list[str]) -> None:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        super().__init__(
+            f"{directory}: {len(problems)} of {total} tar(s) not indexed: {shown} "
+            f"(the other {len(written)} are: their indexes were written)"
+        )
+        self.written, self.problems = written, problems
 
 
 def encode_index(keys: list[str], offsets: list[int], size: int) -> str:
