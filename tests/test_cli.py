@@ -115,3 +115,32 @@ def test_recipe_listing_shows_the_first_sentence_of_descriptions():
     text = "CLIP (Radford et al. 2021): InfoNCE, e.g. with\n  ViTs. Second sentence. Third."
     assert first_sentence(text) == "CLIP (Radford et al. 2021): InfoNCE, e.g. with ViTs."
     assert first_sentence("no full stop") == "no full stop"
+
+
+def test_shard_refuses_an_unknown_option_naming_it_and_the_known_ones(app, tmp_path):
+    """`-o worker=2` (for `workers`) was ignored without a word: the source ran with defaults."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["shard", "synthetic://shapes?n=4", str(out), "-o", "worker=2"])
+    assert result.exit_code == 2, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("error:"))
+    assert "unknown source option 'worker'" in line and "workers" in line and "max_caption_chars" in line
+    assert not out.exists()
+    known = runner.invoke(app, ["shard", "synthetic://shapes?n=4", str(out), "-o", "workers=2"])
+    assert known.exit_code == 0, known.output
+
+
+def test_a_source_plugin_still_takes_options_of_its_own():
+    """Only the built-in sources refuse unknown keys: a plugin that opens the URI gets them all."""
+    from clipkit.contract.hookspecs import hookimpl
+    from clipkit.data.shard import open_source
+    from clipkit.errors import DataError
+
+    class Mine:
+        @hookimpl
+        def open_source(self, uri, options):
+            return ["mine", options] if uri.startswith("mine://") else None
+
+    pm = make_plugin_manager(autoload=False, extra_plugins=[Mine()])
+    assert open_source("mine://x", {"colour": "red"}, pm=pm) == ["mine", {"colour": "red"}]
+    with pytest.raises(DataError, match="unknown source option 'colour'"):
+        open_source("synthetic://shapes?n=4", {"colour": "red"}, pm=pm)

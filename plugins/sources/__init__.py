@@ -20,8 +20,12 @@ def open_source(uri, options):
     from clipkit.plugins.sources.dataset_sources import open_dataset_source
     from clipkit.plugins.sources.file_sources import open_file_source
     from clipkit.plugins.sources.holdout_source import open_holdout_source
+    from clipkit.plugins.sources.source_base import check_option_names
     from clipkit.plugins.sources.synthetic_shapes import parse_synthetic_uri
 
+    # Here, not in each reader: a plugin that opens the URI itself (before this trylast hook) may
+    # take options of its own, but no built-in source reads a key outside this list.
+    check_option_names(options or {})
     held_out = open_holdout_source(uri, options)  # holdout:DATA?fraction=F (clipkit train --data)
     if held_out is not None:
         return held_out

@@ -27,6 +27,8 @@ from .file_sources import (
 from .source_base import common_options
 
 IDX_IMAGES_NAME = re.compile(r"images([.-])idx3-ubyte")
+#: The ``-o`` options idx files read besides the common ones.
+IDX_OPTIONS = ("labels",)
 
 
 def idx_source(spec: str, options: dict[str, Any]) -> IdxSource:

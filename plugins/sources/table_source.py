@@ -52,6 +52,8 @@ NUMBERED_CAPTION_COLUMN = re.compile(r"caption_(\d+)")
 CAPTION_ALIASES = ("text", "txt", "TEXT")
 EXPECTED_CAPTION_COLUMNS = "caption, captions, caption_0 .. caption_k, or else " + " / ".join(CAPTION_ALIASES)
 TABLE_QUERY_KEYS = ("image", "caption", "meta")
+#: The ``-o`` options a table reads besides the common ones and the downloader's.
+TABLE_OPTIONS = (*TABLE_QUERY_KEYS, "resize")
 
 
 def table_options(options: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
