@@ -469,3 +469,38 @@ def test_resize_image_keeps_jpeg_quality_exif_and_png_transparency():
     with Image.open(io.BytesIO(resize_image(buffer.getvalue(), 8))) as small:
         assert small.format == "PNG" and small.size == (16, 8) and small.mode == "RGBA"
         assert small.getpixel((8, 4)) == (255, 0, 0, 255)
+
+
+def test_credentials_in_a_url_are_refused_without_printing_the_password(server):
+    """``http://user:pass@host/...`` failed as "Name or service not known" (urllib took
+    ``user:pass@host`` for the host name): refused, saying why, and the password is never shown."""
+    base, state = server
+    host = base.removeprefix("http://")
+    for url in (f"http://alice:s3cret@{host}/img/wide.png", f"https://alice:s3cret@{host}/img/wide.png"):
+        error = failure(fast(), url)
+        assert error.reason == "bad_url" and "credentials" in error.detail, error.detail
+        assert "s3cret" not in str(error) and "s3cret" not in error.detail and "alice" not in str(error)
+        assert "Name or service" not in str(error)
+    assert state.attempts == {}  # nothing was sent
+
+
+def test_a_table_names_the_row_and_the_unsupported_scheme_or_the_credentials(server, tmp_path):
+    """An ``ftp://`` cell was read as a local path ("image .../ftp:/host/x.png cannot be read",
+    counted as missing_image): it is a ``bad_url`` naming the row and the scheme, as a URL with
+    credentials is (without the password)."""
+    base, _ = server
+    host = base.removeprefix("http://")
+    said = {
+        "ftp://127.0.0.1/x.png": r"ftp://127\.0\.0\.1/x\.png: ftp:// URLs are not downloaded \(only http",
+        "FTP://example.org/y.png": r"FTP://example\.org/y\.png: ftp:// URLs are not downloaded",
+        "file:///etc/hostname": r"file:///etc/hostname: file:// URLs are not downloaded",
+        f"http://bob:hunter2@{host}/img/tall.jpg": rf"http://{host}/img/tall\.jpg: .*credentials",
+    }
+    table = url_table(tmp_path / "urls.jsonl", [f"{base}/img/wide.png", *said])
+    source = open_file_source(str(table), URL_OPTIONS)
+    assert [s.key for s in source] == ["0"] and source.skipped == {"bad_url": 4}
+    for cell, message in said.items():
+        table = url_table(tmp_path / "one.jsonl", [f"{base}/img/wide.png", cell])
+        with pytest.raises(DataError, match=rf"one\.jsonl: line 2: bad_url: .*{message}") as caught:
+            list(open_file_source(str(table), {**URL_OPTIONS, "strict": "true"}))
+        assert "hunter2" not in str(caught.value) and "bob" not in str(caught.value)

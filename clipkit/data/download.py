@@ -15,7 +15,10 @@ lazily created per-host state:
 
 Failures raise :class:`DownloadError` whose ``reason`` is one of :data:`REASONS` or ``http_<code>``
 (the last status seen), the key ``clipkit shard`` counts skipped rows under. Only ``http`` and
-``https`` URLs (and redirects to them) are fetched: a table of URLs never reads local files.
+``https`` URLs (and redirects to them) are fetched: a table of URLs never reads local files. A URL
+carrying credentials (``user:password@``) is refused (``bad_url``) before anything is sent, as
+streamed shards refuse them (:func:`clipkit.data.remote.check_url`): a password in a table is read
+by whoever reads the table, and would follow redirects to other hosts. No message shows it.
 
 :func:`resize_image` is the optional resize-on-write (img2dataset's ``keep_ratio`` mode, but only
 ever downscaling). Nothing here touches the network at import time.
@@ -77,6 +80,15 @@ USERINFO = re.compile(r"^([^:/?#]*://)[^/?#]*@")
 def is_url(text: str) -> bool:
     """True for an ``http://`` or ``https://`` address (case-insensitive scheme)."""
     return text.strip().lower().startswith(("http://", "https://"))
+
+
+#: ``scheme://`` at the start of a table cell: a URL (``ftp://``, ``s3://``, ``file://``), not a path.
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def has_scheme(text: str) -> bool:
+    """True for any ``scheme://...`` address, fetchable or not (a relative path never has one)."""
+    return URL_SCHEME.match(text.strip()) is not None
 
 
 @dataclass
@@ -177,9 +189,15 @@ class Downloader:
             host = parts.hostname
         except ValueError as error:
             raise DownloadError("bad_url", url, f"malformed URL ({error})") from None
-        if parts.scheme.lower() not in ALLOWED_SCHEMES:
-            scheme = parts.scheme or "a local path"
-            raise DownloadError("bad_url", url, f"only http(s) URLs are downloaded, not {scheme}")
+        scheme = parts.scheme.lower()
+        if scheme not in ALLOWED_SCHEMES:
+            what = f"{scheme}:// URLs are" if scheme else "a local path is"
+            raise DownloadError("bad_url", url, f"{what} not downloaded (only http:// and https:// are): "
+                                "fetch the file yourself and give its local path")  # fmt: skip
+        if "@" in parts.netloc:
+            raise DownloadError("bad_url", url, "the URL carries credentials (user:password@ before the "
+                                "host), which are never sent: serve the image without a login, or "
+                                "download it and give its local path")  # fmt: skip
         if not host:
             raise DownloadError("bad_url", url, "URL has no host")
         return host.lower()

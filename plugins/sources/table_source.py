@@ -252,14 +252,15 @@ class TableSource(FileSource):
 
     def read_row_image(self, cell: str | bytes, where: str) -> tuple[bytes, str]:
         """The image bytes and extension of a row: the cell's own bytes (a binary column), downloaded
-        for an http(s) URL, else read from the path relative to the table (an absolute path wins);
-        resized when ``resize`` is set."""
-        from clipkit.data.download import DownloadError, is_url, redact, resize_image
+        for an http(s) URL (a URL of another scheme, or with credentials, is a ``bad_url`` saying
+        so), else read from the path relative to the table (an absolute path wins); resized when
+        ``resize`` is set."""
+        from clipkit.data.download import DownloadError, has_scheme, is_url, redact, resize_image
 
         if isinstance(cell, bytes):
             image, image_ext = cell, verify_image_bytes(cell, f"{where}: image bytes")
-        elif is_url(cell):
-            self.has_urls = True
+        elif has_scheme(cell):  # ftp://, s3://, file:// too: the downloader says why it refuses them
+            self.has_urls = self.has_urls or is_url(cell)
             try:
                 image = self.download.fetch(cell)
             except DownloadError as error:
