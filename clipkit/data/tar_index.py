@@ -125,11 +125,11 @@ def index_directory(directory: Path) -> list[Path]:
 def unreadable_tar(tar: Path, error: BaseException) -> str:
     """Why ``tar`` has no index: what a compressed one is (the loader cannot read it either), or
     the reader's error."""
-    from clipkit.data.tar_stream import compressed_tar, local_compression
+    from clipkit.data.tar_members import compressed_tar_message, local_compression
 
     kind = local_compression(str(tar))
     if kind is not None:
-        return f"{compressed_tar(str(tar), kind)}; not indexed"
+        return f"{compressed_tar_message(str(tar), kind)}; not indexed"
     return f"{tar}: not a readable tar ({type(error).__name__}: {error}); not indexed"
 
 

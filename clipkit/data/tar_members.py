@@ -56,6 +56,30 @@ def compression(head: bytes) -> str | None:
     return next((kind for magic, kind in COMPRESSIONS.items() if head.startswith(magic)), None)
 
 
+#: Per compression: the name such a tar usually has, and the command that decompresses it.
+DECOMPRESS = {"gzip": (".tar.gz", "gunzip"), "bzip2": (".tar.bz2", "bunzip2"), "xz": (".tar.xz", "unxz")}
+
+
+def compressed_tar_message(shown: str, kind: str) -> str:
+    """What is said of the compressed tar ``shown`` (its path or redacted URL): the loader reads
+    plain tars only; how to decompress it, or that ``clipkit shard webdataset:`` reads it."""
+    suffix, command = DECOMPRESS[kind]
+    return (
+        f"{shown} is a {kind}-compressed tar, not a plain one (a {suffix} under another name?): the loader "
+        f"reads uncompressed tars only; decompress it ({command} < {shown} > plain.tar) or shard the set "
+        "with `clipkit shard webdataset:PATH OUT`, which reads it"
+    )
+
+
+def local_compression(path: str) -> str | None:
+    """The compression of the local file at ``path`` (None: a tar, unknown, or unreadable)."""
+    try:
+        with open(path.removeprefix("file://"), "rb") as stream:
+            return compression(stream.read(BLOCK))
+    except OSError:
+        return None
+
+
 def check_uncompressed(head: bytes) -> None:
     """:class:`CompressedTar` when ``head``, the first bytes of what should be a tar, is compressed."""
     kind = compression(head)

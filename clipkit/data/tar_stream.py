@@ -36,7 +36,12 @@ from clipkit.data.remote import (
     transport_fault,
 )
 from clipkit.data.tar_index import MEMBER_NAME, load_index, record_starts
-from clipkit.data.tar_members import BLOCK, CompressedTar, TarMembers, compression
+from clipkit.data.tar_members import (
+    CompressedTar,
+    TarMembers,
+    compressed_tar_message,
+    local_compression,
+)
 from clipkit.errors import DataError
 
 READ_BUFFER = 1 << 20
@@ -329,28 +334,11 @@ def member_offset(url: str, record: int, meter: Meter) -> Window | None:
 
 
 #: Each kind of stream: the suffix it usually has and the command that decompresses it.
-DECOMPRESS = {"gzip": (".tar.gz", "gunzip"), "bzip2": (".tar.bz2", "bunzip2"), "xz": (".tar.xz", "unxz")}
-
-
 def compressed_tar(url: str, kind: str) -> DataError:
     """The refusal of a compressed shard: a stream cannot be read from a record's offset, so the
     loader reads plain tars only, while ``clipkit shard webdataset:`` reads compressed ones (and
     writes plain ones). A refusal, not a skipped shard: every sample in it would be lost unseen."""
-    shown, (suffix, command) = redact(url), DECOMPRESS[kind]
-    return DataError(
-        f"{shown} is a {kind}-compressed tar, not a plain one (a {suffix} under another name?): the loader "
-        f"reads uncompressed tars only; decompress it ({command} < {shown} > plain.tar) or shard the set "
-        "with `clipkit shard webdataset:PATH OUT`, which reads it"
-    )
-
-
-def local_compression(path: str) -> str | None:
-    """The compression of the local file at ``path`` (None: a tar, unknown, or unreadable)."""
-    try:
-        with open(path.removeprefix("file://"), "rb") as stream:
-            return compression(stream.read(BLOCK))
-    except OSError:
-        return None
+    return DataError(compressed_tar_message(redact(url), kind))
 
 
 def check_local_shards(paths: list[str]) -> None:

@@ -20,7 +20,7 @@ def open_source(uri, options):
     from clipkit.plugins.sources.dataset_sources import open_dataset_source
     from clipkit.plugins.sources.file_sources import open_file_source
     from clipkit.plugins.sources.holdout_source import open_holdout_source
-    from clipkit.plugins.sources.source_base import check_option_names
+    from clipkit.plugins.sources.source_options import check_option_names
     from clipkit.plugins.sources.synthetic_shapes import parse_synthetic_uri
 
     # Here, not in each reader: a plugin that opens the URI itself (before this trylast hook) may

@@ -71,34 +71,6 @@ def positive_int(options: dict[str, Any], key: str, default: int) -> int:
 COMMON_OPTIONS = ("strict", "workers", "max_caption_chars", "background", "max_image_bytes")
 
 
-def known_options() -> list[str]:
-    """Every ``-o key=value`` some built-in source reads, sorted: the common ones, the table's
-    (columns, ``resize``, the downloader's) and the idx files' ``labels``."""
-    from clipkit.data.download import Downloader
-
-    from .idx_source import IDX_OPTIONS
-    from .table_source import TABLE_OPTIONS
-
-    return sorted({*COMMON_OPTIONS, *TABLE_OPTIONS, *Downloader.OPTION_TYPES, *IDX_OPTIONS})
-
-
-def check_option_names(options: dict[str, Any]) -> None:
-    """DataError naming the keys of ``options`` no built-in source reads, with the known ones: a
-    misspelt option (``worker=8``) would otherwise be ignored and the source run with defaults."""
-    import difflib
-
-    known = known_options()
-    unknown = sorted(key for key in options if key not in known)
-    if not unknown:
-        return
-    close = difflib.get_close_matches(unknown[0], known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    names = ", ".join(repr(key) for key in unknown)
-    raise DataError(
-        f"unknown source option{'s' if len(unknown) > 1 else ''} {names}{hint}; known: {', '.join(known)}"
-    )
-
-
 def common_options(options: dict[str, Any]) -> dict[str, Any]:
     """The :class:`FileSource` settings every source here takes (as the file sources read them)."""
     return {
