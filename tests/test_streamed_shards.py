@@ -388,3 +388,27 @@ def test_a_streamed_mixture_killed_with_sigkill_resumes_bit_identically(shards, 
     assert process.returncode == -signal.SIGKILL, "the kill should land before the 20-step run ends"
     warm_launch.subprocess_run(command(killed, "--resume"), env=env, check=True)
     assert_same_weights(newest(killed), newest(full))
+
+
+def test_a_pipe_command_may_finish_after_the_reader_closes_its_output(tmp_path):
+    """The reader stops at a tar's end-of-archive blocks, maybe before the command exits: closing
+    waits for it (``tee`` writing its last chunk to a cache file), instead of killing it mid-way."""
+    from clipkit.data.remote import PipeReader
+
+    done = tmp_path / "done"
+    reader = PipeReader(f"printf abc; sleep 0.3; touch {done}", timeout=10)
+    assert reader.read(3) == b"abc"
+    reader.close()
+    assert done.exists() and reader.process.returncode == 0
+
+
+def test_a_pipe_command_ignoring_the_broken_pipe_is_killed_after_the_grace(tmp_path, monkeypatch):
+    from clipkit.data import remote
+
+    monkeypatch.setattr(remote, "PIPE_CLOSE_GRACE_S", 0.2)
+    reader = remote.PipeReader(f"trap '' PIPE; printf abc; sleep 30; touch {tmp_path / 'never'}", timeout=10)
+    assert reader.read(3) == b"abc"
+    began = time.monotonic()
+    reader.close()
+    assert time.monotonic() - began < 5 and reader.process.returncode == -signal.SIGKILL
+    assert not (tmp_path / "never").exists()

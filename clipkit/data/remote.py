@@ -465,6 +465,11 @@ def netrc_authorization(url: str) -> str | None:
     return "Basic " + base64.b64encode(f"{login}:{password or ''}".encode()).decode()
 
 
+#: Seconds a ``pipe:`` command may take to exit after the reader closed its output (see
+#: :meth:`PipeReader.close`); one that ignores the broken pipe is killed after them.
+PIPE_CLOSE_GRACE_S = 5.0
+
+
 class PipeReader(io.RawIOBase):
     """The standard output of ``command`` (run by the shell) as a stream. A read that waits longer
     than ``timeout`` kills the command; a non-zero exit status fails the shard."""
@@ -516,10 +521,16 @@ class PipeReader(io.RawIOBase):
             os.killpg(self.process.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        if not self.closed and self.process.poll() is None:
-            self.kill()  # stopped early (a segment ends mid-tar): the command is not needed
+        """Stop reading. Our end of the pipe is closed first, so a command still writing gets a
+        broken pipe and ends by itself; it is given :data:`PIPE_CLOSE_GRACE_S` (at most the
+        timeout) to finish what it does beside the pipe — ``tee`` writing its last chunk to a cache
+        file, which a kill would cut short — and killed after that."""
         if not self.closed:
-            self.process.wait()
             self.process.stdout.close()
+            try:
+                self.process.wait(timeout=min(self.timeout, PIPE_CLOSE_GRACE_S))
+            except subprocess.TimeoutExpired:
+                self.kill()  # stopped early and still running (it ignores the broken pipe)
+                self.process.wait()
             self.errors.close()
         super().close()
