@@ -370,8 +370,8 @@ class FileSource(abc.ABC):
             # Counted in source order (not completion order), so state() matches what was yielded.
             self.consumed += 1
             if isinstance(outcome, BadRow):
-                if self.strict:
-                    raise DataError(f"{where}: {outcome.reason}: {outcome.detail}")
+                if self.strict:  # the row named once (some details start with it already)
+                    raise DataError(f"{where}: {outcome.reason}: {outcome.detail.removeprefix(f'{where}: ')}")
                 self.skipped[outcome.reason] = self.skipped.get(outcome.reason, 0) + 1
                 continue
             self.yielded += 1
