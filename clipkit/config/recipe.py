@@ -151,12 +151,7 @@ def settings_without_effect(recipe: dict) -> list[str]:
             "the features are half precision only in a bf16 or fp16 run"
         )
     if train.get("compile", "none") == "none":
-        compile_only = {"compile_scope": "towers", "compile_unit": "tower"}
-        changed = [
-            f"{key}={train[key]}"
-            for key, default in compile_only.items()
-            if train.get(key, default) != default
-        ]
+        changed = changed_from(train, {"compile_scope": "towers", "compile_unit": "tower"})
         if changed:
             lines.append(
                 f"train.{', '.join(changed)} does nothing with train.compile=none: "
@@ -164,11 +159,7 @@ def settings_without_effect(recipe: dict) -> list[str]:
             )
     if distributed.get("strategy", "ddp") != "deepspeed":
         zero_only = {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none"}
-        changed = [
-            f"{key}={distributed[key]}"
-            for key, default in zero_only.items()
-            if distributed.get(key, default) != default
-        ]
+        changed = changed_from(distributed, zero_only)
         if changed:
             lines.append(
                 f"train.distributed.{', '.join(changed)} does nothing with strategy="
@@ -176,6 +167,13 @@ def settings_without_effect(recipe: dict) -> list[str]:
                 "(strategy=deepspeed)"
             )
     return lines
+
+
+def changed_from(section: dict, defaults: dict) -> list[str]:
+    """``key=value`` for each key of ``defaults`` that ``section`` sets to another value."""
+    return [
+        f"{key}={section[key]}" for key, default in defaults.items() if section.get(key, default) != default
+    ]
 
 
 def _positive(value) -> bool:
