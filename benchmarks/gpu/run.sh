@@ -139,11 +139,14 @@ EOF
 run_tests() {
     local env=()
     [ -n "$rehearsal" ] && env=(env -u CLIPKIT_GPU_TESTS_ON_CPU)
-    # CLIPKIT_GPU_PYTEST_ARGS: extra pytest arguments, e.g. "-k nuclr" for a second, shorter try.
+    # CLIPKIT_GPU_PYTEST_ARGS: extra pytest arguments, e.g. "-k nuclr" for a second, shorter try
+    # (split on spaces); CLIPKIT_GPU_PYTEST_K: a -k expression kept whole ("ema_and_lora or fsdp2").
+    local select=()
+    [ -n "${CLIPKIT_GPU_PYTEST_K:-}" ] && select=(-k "$CLIPKIT_GPU_PYTEST_K")
     # -o addopts: one process on the one GPU (the suite's addopts start two xdist workers).
     # shellcheck disable=SC2086
     "${env[@]}" "$python" -m pytest tests/gpu -m gpu -o addopts="-ra --strict-markers" -v -p no:cacheprovider -rfEs --durations=15 --timeout=100 \
-        --junitxml="$results/pytest.xml" -o junit_family=xunit2 ${CLIPKIT_GPU_PYTEST_ARGS:-} 2>&1 |
+        --junitxml="$results/pytest.xml" -o junit_family=xunit2 "${select[@]}" ${CLIPKIT_GPU_PYTEST_ARGS:-} 2>&1 |
         tee "$results/pytest.log"
     local status=${PIPESTATUS[0]}
     [ "$status" = 5 ] && [ -n "$rehearsal" ] && return 0   # no CUDA: every gpu test deselected/skipped
