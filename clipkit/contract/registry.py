@@ -67,6 +67,15 @@ class Registry:
     def factory(self, kind: str, name: str) -> Callable[..., Any]:
         return self.get(kind, name).factory
 
+    def origin(self, entry: Entry) -> str:
+        """Who registered ``entry``, for error messages: ``plugin 'my_loss' (my-dist 0.1.0)``."""
+        from clipkit.contract.manager import plugin_distribution
+
+        plugin = self.pm.get_plugin(entry.plugin)
+        distribution, version = plugin_distribution(self.pm, plugin) if plugin is not None else ("", "")
+        label = f"{distribution} {version}".strip()
+        return f"plugin {entry.plugin!r}" + (f" ({label})" if label else "")
+
     def by_plugin(self) -> dict[str, dict[str, list[str]]]:
         """plugin name -> kind -> names it registered."""
         owned: dict[str, dict[str, list[str]]] = {}

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from clipkit.config.recipe import SLOTS, section
+from clipkit.contract.built import check_built
 from clipkit.contract.registry import Registry
 from clipkit.contract.types import PointSet
 from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
-from clipkit.errors import ClipkitError, SlotArgumentError
+from clipkit.errors import ClipkitError, PluginError, SlotArgumentError
 
 INJECTED = {slot.path: slot.injected for slot in SLOTS}
 
@@ -79,14 +80,16 @@ def build_slot(registry: Registry, kind: str, config: dict, where: str, /, *args
     kwargs = {k: v for k, v in config.items() if k != "name"}
     kwargs.update({k: v for k, v in available.items() if k in parameters})
     try:
-        return entry.factory(*args, **kwargs)
+        built = entry.factory(*args, **kwargs)
     except ValueError as error:
         # A factory refusing its arguments (the convention for plugins): one line naming the slot,
         # e.g. an encoder whose image size the recipe cannot give it, not a traceback.
         raise SlotArgumentError(f"{where} ({config['name']}): {error}") from error
+    except ClipkitError:
+        raise
     except (MemoryError, RuntimeError) as error:
         if not is_allocation_failure(error):
-            raise
+            raise factory_failure(registry, entry, where, error) from error
         numbers = {k: v for k, v in kwargs.items() if isinstance(v, int) and not isinstance(v, bool)}
         sizes = ", ".join(f"{k}={v}" for k, v in numbers.items())
         raise ClipkitError(
@@ -94,6 +97,21 @@ def build_slot(registry: Registry, kind: str, config: dict, where: str, /, *args
             f"({sizes or 'its arguments'}); check the sizes in the recipe (model.image_size, "
             "model.embed_dim, the encoder's width and depth)"
         ) from None
+    except Exception as error:
+        raise factory_failure(registry, entry, where, error) from error
+    check_built(kind, built, f"{where} ({entry.name}, {registry.origin(entry)})")
+    return built
+
+
+def factory_failure(registry: Registry, entry: Any, where: str, error: Exception) -> PluginError:
+    """The one line for a factory that raised something other than a refusal of its arguments
+    (a plugin bug): the slot, the plugin and its distribution, and the exception
+    (``clipkit --debug`` prints the traceback)."""
+    lines = str(error).strip().splitlines() or [""]
+    return PluginError(
+        f"{where} ({entry.name}, {registry.origin(entry)}): the factory raised "
+        f"{type(error).__name__}: {lines[0]}".rstrip(": ")
+    )
 
 
 def is_allocation_failure(error: BaseException) -> bool:
