@@ -175,7 +175,7 @@ def is_hf_clip(directory: Path) -> bool:
 
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     """A Hugging Face CLIPModel directory -> (spec, clipkit-layout state dict)."""
-    from clipkit.artifacts.files import read_safetensors
+    from clipkit.plugins.interop.tensors import read_weights
 
     directory = Path(directory)
     weights = directory / WEIGHTS
@@ -188,7 +188,7 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     spec = spec_from_config(
         config, read_json(directory / PREPROCESSOR, required=False), str(directory / CONFIG)
     )
-    return spec, hf_to_clipkit(read_safetensors(weights, "Hugging Face weights"))
+    return spec, hf_to_clipkit(read_weights(weights, "Hugging Face weights"))
 
 
 def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:

@@ -154,7 +154,8 @@ def build(spec: ClipSpec, state: dict, registry: Registry) -> tuple[ContrastiveM
     recipe = recipe_for(spec, state, registry)
     with parameters_not_initialised():  # every parameter is loaded (strictly) below
         model = build_model(recipe, registry)
-    load_strict(model, state, "converted weights")
+    source = spec.extra.get("converted_from", "").partition(":")[2]
+    load_strict(model, state, f"the weights converted from {source}" if source else "converted weights")
     return model.eval(), recipe
 
 
@@ -165,9 +166,12 @@ def load_strict(model, state: dict, where: str) -> None:
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in state and
               tuple(state[k].shape) != tuple(own[k].shape)]  # fmt: skip
-    if missing or unexpected or shapes:
+    dtypes = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in own if k in state and
+              state[k].is_floating_point() != own[k].is_floating_point()]  # fmt: skip
+    if missing or unexpected or shapes or dtypes:
         parts = [f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else ""]
         parts.append(f"shape mismatches {shapes}" if shapes else "")
+        parts.append(f"dtype mismatches (integer weights in floating slots) {dtypes}" if dtypes else "")
         raise ClipkitError(f"{where} do not fit the model: " + "; ".join(p for p in parts if p))
     model.load_state_dict(state, strict=True)
 

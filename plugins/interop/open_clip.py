@@ -170,9 +170,9 @@ QUICK_GELU_KEY = "quick_gelu"  # safetensors header entry clipkit writes on a ba
 def read_state_dict(path: Path, quick_gelu: bool | None = None) -> tuple[ClipSpec, StateDict]:
     """An OpenAI/open_clip-layout ``.safetensors`` state dict -> (spec, clipkit-layout state dict).
     ``quick_gelu``: the activation it was trained with; None: from the evidence (:func:`activation`)."""
-    from clipkit.artifacts.files import read_safetensors
+    from clipkit.plugins.interop.tensors import read_weights
 
-    state = read_safetensors(Path(path), "state dict")
+    state = read_weights(Path(path), "state dict")
     spec_from_state_dict(state, False, str(path))  # not a CLIP state dict: said before the activation
     chosen = quick_gelu if quick_gelu is not None else activation(Path(path))
     spec = spec_from_state_dict(state, chosen, str(path))
@@ -204,7 +204,8 @@ def activation(path: Path) -> bool:
 
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     """An open_clip checkpoint directory -> (spec, clipkit-layout state dict)."""
-    from clipkit.artifacts.files import read_json, read_safetensors
+    from clipkit.artifacts.files import read_json
+    from clipkit.plugins.interop.tensors import read_weights
 
     config_path, weights = Path(directory) / CONFIG, Path(directory) / WEIGHTS
     if not weights.is_file():
@@ -214,7 +215,7 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
         )
     config = read_json(config_path, "open_clip config", expect=dict)
     spec = spec_from_config(config, str(config_path))
-    return spec, open_clip_to_clipkit(read_safetensors(weights, "open_clip weights"), spec.vision.kind)
+    return spec, open_clip_to_clipkit(read_weights(weights, "open_clip weights"), spec.vision.kind)
 
 
 def write_state_dict(spec: ClipSpec, state: StateDict, path: Path) -> Path:
