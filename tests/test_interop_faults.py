@@ -75,3 +75,16 @@ def test_integer_weights_in_a_floating_slot_are_refused(open_clip_dir, tmp_path)
 def test_sound_weights_still_convert(open_clip_dir, tmp_path):
     result = convert(open_clip_dir, tmp_path / "out")
     assert result.exit_code == 0, result.output
+
+
+def test_a_directory_with_open_clip_and_hugging_face_configs_is_ambiguous(open_clip_dir, tmp_path, registry):
+    """Both layouts' configs in one folder: clipkit used to read the open_clip weights silently."""
+    (open_clip_dir / "config.json").write_text('{"model_type": "clip"}', encoding="utf-8")
+    save_file({"logit_scale": torch.ones(())}, str(open_clip_dir / "model.safetensors"))
+    out = tmp_path / "out"
+    result = convert(open_clip_dir, out)
+    assert result.exit_code == 2, result.output
+    (line,) = [text for text in result.output.splitlines() if text.strip()]
+    assert str(open_clip_dir) in line and "ambiguous" in line and not out.exists()
+    with pytest.raises(ClipkitError, match="ambiguous"):
+        clipkit.load(open_clip_dir, registry=registry)

@@ -35,9 +35,25 @@ CONVERTIBLE = {
 }
 
 
+def _is_open_clip_dir(path: Path) -> bool:
+    from clipkit.plugins.interop import open_clip
+
+    return (path / open_clip.CONFIG).is_file()
+
+
+def _is_hf_dir(path: Path) -> bool:
+    from clipkit.plugins.interop import hf
+
+    return hf.is_hf_clip(path)
+
+
+#: A foreign checkpoint directory's layout -> whether ``path`` holds its config (one at most may).
+FOREIGN_CONFIGS = {"open_clip": _is_open_clip_dir, "hf": _is_hf_dir}
+
+
 def detect(path: Path) -> str:
     """Which layout ``path`` holds (raises ClipkitError naming what it looked for)."""
-    from clipkit.plugins.interop import hf, open_clip
+    from clipkit.plugins.interop import open_clip
 
     path = Path(path)
     if path.is_file():
@@ -51,10 +67,14 @@ def detect(path: Path) -> str:
         raise ClipkitError(f"{path} does not exist")
     if (path / "clipkit.json").is_file():
         return "clipkit"
-    if (path / open_clip.CONFIG).is_file():
-        return "open_clip"
-    if hf.is_hf_clip(path):
-        return "hf"
+    found = [layout for layout, config in FOREIGN_CONFIGS.items() if config(path)]
+    if len(found) > 1:
+        raise ClipkitError(
+            f"{path} holds both an open_clip checkpoint ({open_clip.CONFIG}) and a Hugging Face CLIPModel "
+            "(config.json): which weights to read is ambiguous; move one of them into its own directory"
+        )
+    if found:
+        return found[0]
     raise ClipkitError(
         f"{path} is not a clipkit export: clipkit.json is missing (nor is it an open_clip directory with "
         f"{open_clip.CONFIG} or a Hugging Face CLIPModel directory with config.json)"
