@@ -42,10 +42,60 @@ def test_unknown_name_suggests_close_matches(registry):
 
 
 def test_misspelled_hook_is_an_error():
-    from pluggy import PluginValidationError
-
-    with pytest.raises(PluginValidationError, match="register_loss"):
+    with pytest.raises(PluginError, match="implements 'register_loss', which is no clipkit hook; did you "
+                       "mean 'register_losses'"):  # fmt: skip
         make_plugin_manager(autoload=False, extra_plugins=[Misspelled()])
+
+
+def install_plugin(root, module: str, source: str) -> None:
+    """A distribution ``evil-plugin 0.1`` in ``root`` (put on sys.path by the caller) whose
+    ``clipkit`` entry point ``module`` is the module ``module`` with ``source``."""
+    (root / f"{module}.py").write_text(source, encoding="utf-8")
+    info = root / "evil_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: evil-plugin\nVersion: 0.1\n", encoding="utf-8"
+    )
+    (info / "entry_points.txt").write_text(f"[clipkit]\n{module} = {module}\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "module, source, expected",
+    [
+        (
+            "evil_import",
+            "import no_such_module_xyz\n",
+            "ModuleNotFoundError: No module named 'no_such_module_xyz'",
+        ),
+        ("evil_syntax", "def f(:\n", "SyntaxError: "),
+        ("evil_raise", "raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    ],
+)
+def test_an_entry_point_that_fails_to_import_is_one_line(tmp_path, monkeypatch, module, source, expected):
+    install_plugin(tmp_path, module, source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        make_plugin_manager(autoload=True)
+    message = str(error.value)
+    assert message.startswith(
+        f"plugin '{module}' (entry point {module} = {module} in evil-plugin 0.1) cannot"
+    )
+    assert expected in message and "CLIPKIT_DISABLE_PLUGIN_AUTOLOAD=1" in message and "\n" not in message
+
+
+def test_a_misspelled_hook_of_an_installed_plugin_names_its_package(tmp_path, monkeypatch):
+    hook = "def register_optimizer(register):  # the hook is register_optimizers\n    pass\n"
+    source = f"from clipkit.contract.hookspecs import hookimpl\n\n@hookimpl\n{hook}"
+    install_plugin(tmp_path, "evil_typo", source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as error:
+        make_plugin_manager(autoload=True)
+    assert str(error.value).startswith(
+        "plugin 'evil_typo' (entry point evil_typo = evil_typo in evil-plugin 0.1) "
+    )
+    assert "'register_optimizer', which is no clipkit hook; did you mean 'register_optimizers'?" in str(
+        error.value
+    )
 
 
 def test_autoload_can_be_disabled(monkeypatch):

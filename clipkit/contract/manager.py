@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
+import re
 
 import pluggy
 
 from clipkit.contract import hookspecs
+from clipkit.errors import PluginError, close_matches
 
 #: Built-in plugin modules, registered exactly like third-party plugins.
 BUILTIN_PLUGINS = (
@@ -44,12 +47,71 @@ def make_plugin_manager(*, autoload: bool | None = None, extra_plugins=()) -> pl
         pm.register(importlib.import_module(module_name), name=module_name)
     if autoload is None:
         autoload = not autoload_disabled()
-    if autoload:
-        pm.load_setuptools_entrypoints(hookspecs.PROJECT)
-    for plugin in extra_plugins:
-        pm.register(plugin, name=plugin_label(plugin))
-    pm.check_pending()
+    loaded = import_entry_points(pm) if autoload else {}
+    try:
+        if autoload:
+            pm.load_setuptools_entrypoints(hookspecs.PROJECT)  # the modules imported above
+        for plugin in extra_plugins:
+            pm.register(plugin, name=plugin_label(plugin))
+        pm.check_pending()
+    except pluggy.PluginValidationError as error:
+        raise invalid_plugin(pm, error, loaded) from None
     return pm
+
+
+def import_entry_points(pm: pluggy.PluginManager) -> dict[int, str]:
+    """Import the module of every ``clipkit`` entry point not yet registered, as pluggy's
+    ``load_setuptools_entrypoints`` then does, so that one which fails to import (ImportError,
+    SyntaxError, any exception at import) is a :class:`PluginError` naming the entry point and its
+    distribution instead of a traceback. Returns ``id(plugin) ->`` that description."""
+    loaded: dict[int, str] = {}
+    for dist in importlib.metadata.distributions():
+        for entry_point in dist.entry_points:
+            if entry_point.group != hookspecs.PROJECT or pm.has_plugin(entry_point.name):
+                continue
+            where = entry_point_label(entry_point, dist)
+            try:
+                plugin = entry_point.load()
+            except Exception as error:
+                raise PluginError(f"{where} cannot be loaded: {error_line(error)}; {REMEDY}") from error
+            loaded[id(plugin)] = where
+    return loaded
+
+
+#: What a user does about a third-party plugin that cannot be loaded.
+REMEDY = f"fix or uninstall that package, or set {AUTOLOAD_ENV}=1 to run with the built-in plugins only"
+
+
+def entry_point_label(entry_point: importlib.metadata.EntryPoint, dist) -> str:
+    """``plugin 'name' (entry point name = module in distribution version)`` for messages."""
+    package = f"{dist.metadata['Name']} {dist.version}"
+    return f"plugin {entry_point.name!r} (entry point {entry_point.name} = {entry_point.value} in {package})"
+
+
+def error_line(error: BaseException) -> str:
+    """``TypeName: first line of the message`` (the name alone when the message is empty)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def invalid_plugin(
+    pm: pluggy.PluginManager, error: pluggy.PluginValidationError, loaded: dict
+) -> PluginError:
+    """pluggy's refusal of a plugin (a misspelled hook name, a hook with arguments its
+    specification does not have) as one line naming the plugin and its package; a misspelled
+    name gets the closest hook name."""
+    name = pm.get_name(error.plugin) or plugin_label(error.plugin)
+    where = loaded.get(id(error.plugin)) or f"plugin {name!r}"
+    unknown = re.match(r"unknown hook '(\w+)'", str(error))
+    if unknown is None:
+        return PluginError(f"{where} is invalid: {error_line(error)}; {REMEDY}")
+    hooks = [name for name, hook in vars(pm.hook).items() if not name.startswith("_") and hook.has_spec()]
+    suggestion = close_matches(unknown.group(1), hooks, n=1)
+    hint = f"; did you mean {suggestion[0]!r}?" if suggestion else ""
+    return PluginError(
+        f"{where} implements {unknown.group(1)!r}, which is no clipkit hook{hint} "
+        "(the hooks: clipkit/contract/hookspecs.py, docs/plugins.md)"
+    )
 
 
 def plugin_label(plugin) -> str:
