@@ -92,3 +92,19 @@ def test_a_broken_factory_is_one_line_naming_slot_and_plugin(faulty_registry, ki
 def test_a_good_factory_still_builds(faulty_registry):
     built = build_slot(faulty_registry, "encoder", {"name": "good_tower"}, "slot", embed_dim=4)
     assert isinstance(built, Tower)
+
+
+class RaisingHook:
+    @hookimpl
+    def register_losses(self, register):
+        raise RuntimeError("boom in the hook")
+
+
+def test_a_registration_hook_that_raises_is_one_line_naming_the_plugin():
+    """It used to be a bare traceback from every command that builds the registry."""
+    pm = make_plugin_manager(autoload=False, extra_plugins=[RaisingHook()])
+    with pytest.raises(PluginError) as error:
+        Registry(pm)
+    message = str(error.value)
+    assert "RaisingHook" in message and "(not installed)" in message
+    assert "its register_losses hook raised RuntimeError: boom in the hook" in message

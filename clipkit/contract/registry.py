@@ -16,7 +16,7 @@ from typing import Any
 
 import pluggy
 
-from clipkit.errors import PluginError, UnknownNameError
+from clipkit.errors import ClipkitError, PluginError, UnknownNameError
 
 #: kind -> the hook that registers it. The kind is also the recipe vocabulary ("loss" -> losses).
 KINDS = {
@@ -108,8 +108,26 @@ def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, E
                 )
             table[name] = Entry(kind, name, factory, _plugin)
 
-        impl.function(register=register)
+        call_registration(pm, impl, hook_name, register)
     return table
+
+
+def call_registration(pm: pluggy.PluginManager, impl: Any, hook_name: str, register: Callable) -> None:
+    """Run one plugin's ``register_<kind>`` hook; an exception it raises (a plugin bug, not a
+    :class:`ClipkitError`) becomes one line naming the plugin, its distribution and the hook."""
+    try:
+        impl.function(register=register)
+    except ClipkitError:
+        raise
+    except Exception as error:
+        from clipkit.contract.manager import plugin_distribution
+
+        label = " ".join(plugin_distribution(pm, impl.plugin)).strip()
+        lines = str(error).strip().splitlines() or [""]
+        raise PluginError(
+            f"plugin {impl.plugin_name!r} ({label}): its {hook_name} hook raised "
+            f"{type(error).__name__}: {lines[0]}".rstrip(": ")
+        ) from error
 
 
 _DEFAULT: Registry | None = None
