@@ -88,3 +88,23 @@ def test_a_directory_with_open_clip_and_hugging_face_configs_is_ambiguous(open_c
     assert str(open_clip_dir) in line and "ambiguous" in line and not out.exists()
     with pytest.raises(ClipkitError, match="ambiguous"):
         clipkit.load(open_clip_dir, registry=registry)
+
+
+#: A command reading the model at the end of its arguments; OUT is the tmp folder's "out".
+READERS = {
+    "convert": lambda model, out: ["convert", model, out],
+    "eval": lambda model, out: ["eval", model, "--task", "retrieval", "--data", "synthetic://shapes?n=8"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_a_symlink_loop_is_one_line_naming_the_link(tmp_path, command):
+    """A path that is a symbolic link loop was a pathlib RuntimeError traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    app = make_app(make_plugin_manager(autoload=False))
+    result = runner.invoke(app, READERS[command](str(loop), str(tmp_path / "out")))
+    assert result.exit_code == 2, result.output
+    (line,) = [text for text in result.output.splitlines() if text.strip()]
+    assert str(loop) in line and "symbolic link loop" in line
+    assert not (tmp_path / "out").exists()

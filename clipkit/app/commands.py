@@ -6,8 +6,10 @@ one (a :class:`~clipkit.errors.ClipkitError` is one red line and exit code 2, no
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import re
 import sys
 import traceback
 
@@ -39,7 +41,18 @@ def fails_cleanly(command):
             # 2 for bad input; a graceful stop on a signal exits 128 + signal (clipkit.train.stop).
             raise typer.Exit(getattr(error, "exit_code", 2)) from None
         except Exception as error:
-            if isinstance(error, typer.Exit | click.exceptions.ClickException) or not interrupted(error):
+            if isinstance(error, typer.Exit | click.exceptions.ClickException):
+                raise
+            loop = symlink_loop(error)
+            if loop is not None:
+                typer.secho(
+                    f"error: {loop}: a symbolic link loop (a link that leads back to itself); "
+                    "fix or remove the link",
+                    fg="red",
+                    err=True,
+                )
+                raise typer.Exit(2) from None
+            if not interrupted(error):
                 raise
             # A second Ctrl-C in the middle of a file write (torch.save turns it into its own
             # RuntimeError as the file is closed): the stop the user asked for, not a crash.
@@ -52,6 +65,15 @@ def fails_cleanly(command):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def symlink_loop(error: BaseException) -> str | None:
+    """The path of the symbolic link loop ``error`` reports (pathlib's ``RuntimeError("Symlink loop
+    from '...'")`` before Python 3.13, an ``OSError`` with ``ELOOP`` from the OS), else None."""
+    if isinstance(error, OSError) and error.errno == errno.ELOOP:
+        return str(error.filename)
+    found = re.fullmatch(r"Symlink loop from '(.*)'", str(error)) if isinstance(error, RuntimeError) else None
+    return found.group(1) if found else None
 
 
 def interrupted(error: BaseException) -> bool:
