@@ -149,6 +149,8 @@ class ContrastiveModel(nn.Module):
         self.pair = pair
         self.eval_seed = eval_seed  # fixes random features (WPSE) at evaluation and in exports
         self.frozen_towers: tuple[str, ...] = ()  # model.frozen (clipkit.model.init_weights)
+        # Who built each tower, for errors about what it returns (build_model names the plugin).
+        self.tower_labels = {"image_encoder": "model.image_encoder", "text_encoder": "model.text_encoder"}
 
     def train(self, mode: bool = True) -> ContrastiveModel:
         """Locked towers (``model.frozen``) stay in eval mode: no BatchNorm updates, no dropout."""
@@ -159,13 +161,17 @@ class ContrastiveModel(nn.Module):
 
     def encode_image(self, images: torch.Tensor) -> PointSet:
         """[B, 3, S, S] -> PointSet [B, M_x, d]."""
-        return self.image_encoder(images)
+        return self.run_tower("image_encoder", images)
 
     def encode_text(self, tokens: torch.Tensor) -> PointSet:
         """[B, L] token ids -> PointSet [B, M_y, d]."""
         if self.text_encoder is None:
             raise RuntimeError("this model has no text encoder (model.pair = two_view)")
-        return self.text_encoder(tokens)
+        return self.run_tower("text_encoder", tokens)
+
+    def run_tower(self, name: str, inputs: torch.Tensor) -> PointSet:
+        """The tower ``name`` on ``inputs``, its output checked (:func:`check_tower_output`)."""
+        return check_tower_output(getattr(self, name)(inputs), inputs, self.tower_labels[name])
 
     def forward(self, batch: dict[str, Any]) -> tuple[PointSet, PointSet]:
         """The two sides of each positive pair for this batch: (PointSet [B, M_a, d], PointSet [B, M_b, d]).
@@ -176,8 +182,34 @@ class ContrastiveModel(nn.Module):
         if self.pair == "two_view":
             return self.encode_image(batch["image"]), self.encode_image(batch["image2"])
         if self.pair == "vectors":
-            return self.image_encoder(batch["x"]), self.text_encoder(batch["y"])
+            return self.run_tower("image_encoder", batch["x"]), self.run_tower("text_encoder", batch["y"])
         return self.encode_image(batch["image"]), self.encode_text(batch["text"])
+
+
+def check_tower_output(output: Any, inputs: torch.Tensor, who: str) -> PointSet:
+    """``output`` of a tower run on ``inputs``, refused (:class:`PluginError` naming ``who``: the slot
+    and plugin) unless it is a :class:`PointSet` with one set per input. A plain tensor or a batch of
+    another size would otherwise fail deep in the similarity or the loss, or be scored against the
+    wrong rows."""
+    from clipkit.contract.built import describe
+
+    if not isinstance(output, PointSet):
+        raise PluginError(
+            f"{who}: forward returned {describe(output)}, not a PointSet (clipkit.contract.types.PointSet: "
+            "points [B, M, d]; a plain embedding [B, d] is PointSet(x[:, None]))"
+        )
+    if output.points.shape[0] != inputs.shape[0]:
+        raise PluginError(
+            f"{who}: forward returned {output.points.shape[0]} point sets for a batch of {inputs.shape[0]} "
+            f"(points {tuple(output.points.shape)}; one set per input is expected)"
+        )
+    return output
+
+
+def tower_label(registry: Registry, config: dict, where: str) -> str:
+    """``model.image_encoder (my_vit, plugin 'x' (dist 0.1))``: the slot and who registered it."""
+    entry = registry.get("encoder", config["name"], where=where)
+    return f"{where} ({entry.name}, {registry.origin(entry)})"
 
 
 def batched_input_size(recipe: dict) -> int:
@@ -244,6 +276,9 @@ def build_model(recipe: dict, registry: Registry, *, adapters: bool = True) -> C
     built = ContrastiveModel(
         image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed
     )
+    built.tower_labels = {"image_encoder": tower_label(registry, model.image_encoder, "model.image_encoder")}
+    if text_encoder is not None:
+        built.tower_labels["text_encoder"] = tower_label(registry, model.text_encoder, "model.text_encoder")
     if adapters and model.lora:
         from clipkit.model.lora import add_adapters
 
