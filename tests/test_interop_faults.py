@@ -77,17 +77,23 @@ def test_sound_weights_still_convert(open_clip_dir, tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def test_a_directory_with_open_clip_and_hugging_face_configs_is_ambiguous(open_clip_dir, tmp_path, registry):
-    """Both layouts' configs in one folder: clipkit used to read the open_clip weights silently."""
+def test_a_directory_with_both_layouts_reads_the_open_clip_weights_and_says_so(
+    open_clip_dir, tmp_path, registry
+):
+    """open_clip's models on the Hugging Face Hub hold both layouts side by side (the same weights
+    twice): such a folder is read, as open_clip, with one line saying so; a folder whose open_clip
+    weights are missing is read as the Hugging Face model whose weights are there."""
+    import clipkit.plugins.interop.layouts as layouts
+
     (open_clip_dir / "config.json").write_text('{"model_type": "clip"}', encoding="utf-8")
+    assert layouts.detect(open_clip_dir) == "open_clip"  # no HF weights yet: nothing to choose
     save_file({"logit_scale": torch.ones(())}, str(open_clip_dir / "model.safetensors"))
-    out = tmp_path / "out"
-    result = convert(open_clip_dir, out)
-    assert result.exit_code == 2, result.output
-    (line,) = [text for text in result.output.splitlines() if text.strip()]
-    assert str(open_clip_dir) in line and "ambiguous" in line and not out.exists()
-    with pytest.raises(ClipkitError, match="ambiguous"):
-        clipkit.load(open_clip_dir, registry=registry)
+    result = convert(open_clip_dir, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if line.startswith("note:")]
+    assert len(said) == 1 and str(open_clip_dir) in said[0] and "reading the open_clip one" in said[0]
+    (open_clip_dir / "open_clip_model.safetensors").unlink()
+    assert layouts.detect(open_clip_dir) == "hf"
 
 
 #: A command reading the model at the end of its arguments; OUT is the tmp folder's "out".

@@ -15,6 +15,7 @@ files are refused; OpenAI's TorchScript ``.pt`` files are out of scope — use a
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,20 +36,33 @@ CONVERTIBLE = {
 }
 
 
-def _is_open_clip_dir(path: Path) -> bool:
-    from clipkit.plugins.interop import open_clip
+def foreign_layouts(path: Path) -> dict[str, bool]:
+    """The foreign checkpoint layouts whose config ``path`` holds -> whether their safetensors
+    weights are beside it (open_clip first: the order a folder holding both is read in)."""
+    from clipkit.plugins.interop import hf, open_clip
 
-    return (path / open_clip.CONFIG).is_file()
+    found = {}
+    if (path / open_clip.CONFIG).is_file():
+        found["open_clip"] = (path / open_clip.WEIGHTS).is_file()
+    if hf.is_hf_clip(path):
+        found["hf"] = (path / hf.WEIGHTS).is_file()
+    return found
 
 
-def _is_hf_dir(path: Path) -> bool:
-    from clipkit.plugins.interop import hf
-
-    return hf.is_hf_clip(path)
-
-
-#: A foreign checkpoint directory's layout -> whether ``path`` holds its config (one at most may).
-FOREIGN_CONFIGS = {"open_clip": _is_open_clip_dir, "hf": _is_hf_dir}
+def foreign_layout(path: Path) -> str | None:
+    """The layout :func:`detect` reads in a directory of foreign weights. A model published on the
+    Hugging Face Hub by open_clip holds both layouts side by side (the same weights twice): the
+    first whose weights file is there is read, and one line says which when both could be."""
+    found = foreign_layouts(path)
+    complete = [layout for layout, has_weights in found.items() if has_weights]
+    if len(complete) > 1:
+        print(
+            f"note: {path} holds an open_clip checkpoint and a Hugging Face CLIPModel; reading the "
+            f"{complete[0]} one",
+            file=sys.stderr,
+        )
+    # None complete: the first found, whose reader names the missing weights file.
+    return (complete or list(found) or [None])[0]
 
 
 def detect(path: Path) -> str:
@@ -67,14 +81,9 @@ def detect(path: Path) -> str:
         raise ClipkitError(f"{path} does not exist")
     if (path / "clipkit.json").is_file():
         return "clipkit"
-    found = [layout for layout, config in FOREIGN_CONFIGS.items() if config(path)]
-    if len(found) > 1:
-        raise ClipkitError(
-            f"{path} holds both an open_clip checkpoint ({open_clip.CONFIG}) and a Hugging Face CLIPModel "
-            "(config.json): which weights to read is ambiguous; move one of them into its own directory"
-        )
-    if found:
-        return found[0]
+    layout = foreign_layout(path)
+    if layout is not None:
+        return layout
     raise ClipkitError(
         f"{path} is not a clipkit export: clipkit.json is missing (nor is it an open_clip directory with "
         f"{open_clip.CONFIG} or a Hugging Face CLIPModel directory with config.json)"
@@ -222,7 +231,7 @@ def load_model(
     from clipkit.contract.registry import default_registry
 
     registry = registry or default_registry()
-    if detect(path) == "clipkit":
+    if (Path(path) / "clipkit.json").is_file():  # an export (else read() detects the layout, once)
         return load_export(Path(path), registry)
     spec, state = read(path, registry, quick_gelu=quick_gelu)
     model, recipe = build(spec, state, registry)
