@@ -108,3 +108,67 @@ def test_a_registration_hook_that_raises_is_one_line_naming_the_plugin():
     message = str(error.value)
     assert "RaisingHook" in message and "(not installed)" in message
     assert "its register_losses hook raised RuntimeError: boom in the hook" in message
+
+
+class TensorSimilarity(nn.Module):
+    def forward(self, a, b, *, generator=None):
+        return a.points[:, 0] @ b.points[:, 0].T  # a plain tensor, not Logits
+
+
+class ShortSimilarity(nn.Module):
+    def forward(self, a, b, *, generator=None):
+        from clipkit.contract.types import Logits
+
+        scores = a.points[:, 0] @ b.points[:, 0].T
+        return Logits(i2t=scores[:, 1:], t2i=scores.T[:, 1:])  # one candidate short
+
+
+class TensorLoss(Loss):
+    def __call__(self, logits, targets, ctx):
+        return nn.functional.cross_entropy(logits.i2t, targets)
+
+
+class VectorLoss(Loss):
+    def __call__(self, logits, targets, ctx):
+        return LossOutput(nn.functional.cross_entropy(logits.i2t, targets, reduction="none"), {})
+
+
+class WrongOutputs:
+    """Plugins whose objects build fine but return the wrong thing every step."""
+
+    @hookimpl
+    def register_similarities(self, register):
+        register("tensor_similarity", TensorSimilarity)
+        register("short_similarity", ShortSimilarity)
+
+    @hookimpl
+    def register_losses(self, register):
+        register("tensor_loss", TensorLoss)
+        register("vector_loss", VectorLoss)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("similarity.name=tensor_similarity", "forward returned a Tensor, not Logits(i2t, t2i)"),
+        ("similarity.name=short_similarity", "Logits.i2t has shape (16, 15) for 16 x 16 point sets"),
+        ("loss.name=tensor_loss", "returned a Tensor, not LossOutput(loss=<scalar tensor>, metrics)"),
+        ("loss.name=vector_loss", "LossOutput.loss is a tensor of shape (16,), not a scalar tensor"),
+    ],
+)
+def test_a_similarity_or_loss_returning_the_wrong_thing_is_named_at_the_first_step(
+    override, expected, in_tmp, smoke_shards
+):
+    """Was a traceback from the loop ('Tensor' object has no attribute 'loss', "Boolean value of
+    Tensor with more than one value", cross-entropy's "Target 15 is out of bounds")."""
+    from smoke_data import place_smoke_shards
+
+    from clipkit.app import api
+
+    place_smoke_shards(in_tmp, smoke_shards)
+    registry = Registry(make_plugin_manager(autoload=False, extra_plugins=[WrongOutputs()]))
+    overrides = [override, "data.batch_size=16", "train.steps=1", "train.export=false", "data.num_workers=0"]
+    with pytest.raises(PluginError) as refused:
+        api.train("quickstart@smoke", overrides, run_dir=in_tmp / "run", registry=registry)
+    kind = override.split(".")[0]
+    assert f"the {kind} {__name__}." in str(refused.value) and expected in str(refused.value)

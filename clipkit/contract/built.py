@@ -95,3 +95,46 @@ def describe(built: Any) -> str:
     name = "function" if callable(built) and type(built).__name__ == "function" else type(built).__name__
     article = "an" if name[:1].lower() in "aeiou" else "a"
     return f"{article} {name}"
+
+
+def plugin_label(kind: str, plugin: Any) -> str:
+    """``the similarity my_pkg.sims.MySim``: how a per-step refusal names the plugin object."""
+    cls = type(plugin)
+    return f"the {kind} {cls.__module__}.{cls.__qualname__}"
+
+
+def check_logits(logits: Any, rows: int, cols: int, who: str) -> Any:
+    """``logits`` as a similarity returned them for ``rows`` anchors against ``cols`` candidates,
+    refused (:class:`PluginError` naming ``who``) unless a :class:`~clipkit.contract.types.Logits`
+    with i2t [rows, cols] and t2i [cols, rows]: a plain tensor or another shape would fail deep in
+    the loss, or (one column short) score each anchor against the wrong candidates."""
+    from clipkit.contract.types import Logits
+
+    if not isinstance(logits, Logits):
+        raise PluginError(f"{who}: forward returned {describe(logits)}, not Logits(i2t, t2i)")
+    for name, tensor, shape in (("i2t", logits.i2t, (rows, cols)), ("t2i", logits.t2i, (cols, rows))):
+        found = tuple(getattr(tensor, "shape", ()))
+        if found != shape:
+            raise PluginError(
+                f"{who}: Logits.{name} has shape {found} for {rows} x {cols} point sets; expected {shape}"
+            )
+    return logits
+
+
+def check_loss_output(output: Any, who: str) -> Any:
+    """What a loss returned, refused (:class:`PluginError` naming ``who``) unless a
+    :class:`~clipkit.contract.types.LossOutput` whose ``loss`` is a scalar tensor (backward and the
+    finiteness check read one number)."""
+    import torch
+
+    from clipkit.contract.types import LossOutput
+
+    if not isinstance(output, LossOutput):
+        raise PluginError(
+            f"{who}: returned {describe(output)}, not LossOutput(loss=<scalar tensor>, metrics)"
+        )
+    if not isinstance(output.loss, torch.Tensor) or output.loss.dim() != 0:
+        shape = tuple(output.loss.shape) if isinstance(output.loss, torch.Tensor) else None
+        what = f"a tensor of shape {shape}" if shape is not None else describe(output.loss)
+        raise PluginError(f"{who}: LossOutput.loss is {what}, not a scalar tensor (reduce it, e.g. .mean())")
+    return output

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from clipkit.contract.built import check_logits, check_loss_output, plugin_label
 from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
 from clipkit.tiled.settings import Decision, Tiling, decide
 from clipkit.train.bounds import Bound, bounded_parameters
@@ -118,7 +119,7 @@ class Objective:
         candidates (``targets`` [n] their columns), else the whole batch (``targets`` [N]);
         ``gathered``: the global batch's declared index/meta."""
         logits, ctx = self.logits(local_a, local_b, a, b, gathered, local, step, epoch, generator_for)
-        return self.loss(logits, targets, ctx)
+        return check_loss_output(self.loss(logits, targets, ctx), plugin_label("loss", self.loss))
 
     def logits(
         self,
@@ -134,13 +135,17 @@ class Objective:
     ) -> tuple[Logits, LossContext]:
         """The fp32 logits the loss reads (i2t, t2i: [n, N] this process's rows where ``local``, else
         [N, N]) and the loss's context (arguments as :meth:`score`)."""
-        similarity = self.similarity
+        similarity, who = self.similarity, plugin_label("similarity", self.similarity)
+
+        def scored(x: PointSet, y: PointSet) -> Logits:  # a plugin's wrong output named, not deep in the loss
+            return check_logits(similarity(x, y, generator=generator_for()), x.batch_size, y.batch_size, who)
+
         if local:
-            image_rows = similarity(local_a, b, generator=generator_for()).i2t  # [n, N]
-            text_rows = similarity(a, local_b, generator=generator_for()).t2i  # [n, N]
+            image_rows = scored(local_a, b).i2t  # [n, N]
+            text_rows = scored(a, local_b).t2i  # [n, N]
             return in_fp32(Logits(i2t=image_rows, t2i=text_rows)), self.context({}, a, b, step, epoch)
-        logits = in_fp32(similarity(a, b, generator=generator_for()))  # the loss reduces in fp32
-        return logits, self.context(gathered, a, b, step, epoch)
+        logits = scored(a, b)
+        return in_fp32(logits), self.context(gathered, a, b, step, epoch)  # the loss reduces in fp32
 
     def tiled(
         self, local_a: PointSet, local_b: PointSet, a: PointSet, b: PointSet, ctx: LossContext, step: int
