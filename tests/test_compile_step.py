@@ -137,9 +137,12 @@ def recipe_for(registry, *overrides: str):
 
 def test_zero3_refuses_train_compile_before_anything_is_built(registry, in_tmp):
     """ZeRO-3's per-module gathering hooks make TorchDynamo recompile (docs/distributed.md): a
-    one-line refusal with what to do, raised right after the runtime (no data read, nothing written)."""
+    one-line refusal with what to do, raised right after the runtime (no data read, nothing written)
+    for a recipe that skipped validation (which refuses it first: tests/test_settings_without_effect.py)."""
     zero3 = ["train.distributed.strategy=deepspeed", "train.distributed.zero_stage=3"]
-    recipe = recipe_for(registry, *zero3, "train.compile=default", "train.compile_scope=step")
+    recipe = load_recipe(
+        "quickstart@smoke", [*zero3, "train.compile=default", "train.compile_scope=step"], registry=registry
+    )
     with pytest.raises(ClipkitError) as refused:
         build_trainer(recipe, Path(in_tmp / "run"), registry)
     message = str(refused.value)

@@ -67,3 +67,54 @@ def test_an_empty_mapping_switches_off_what_the_recipe_turned_on(registry, spec,
     # feature a recipe or variant enabled (and `=null` is not a mapping).
     assert api.resolve(spec, overrides[:-1], registry)["train"][key]  # on before the last override
     assert api.resolve(spec, overrides, registry)["train"][key] == {}
+
+
+def test_threads_far_above_the_usable_cpus_are_one_warning_line(registry, capsys, monkeypatch):
+    import clipkit.config.recipe as recipe_module
+
+    monkeypatch.setattr(recipe_module, "usable_cpus", lambda: 2)
+    api.resolve("clip@tiny", ["train.threads=4"], registry)  # twice the cores: hyper-threads, no word
+    assert "warning" not in capsys.readouterr().err
+    api.resolve("clip@tiny", ["train.threads=64"], registry)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(lines) == 1 and "train.threads=64 is more than twice the 2 CPU(s)" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (
+            [
+                "train.distributed.strategy=deepspeed",
+                "train.distributed.zero_stage=3",
+                "train.compile=default",
+            ],
+            "train.compile: under ZeRO-3 TorchDynamo traces DeepSpeed's",
+        ),
+        (
+            ["train.report_to=[tensorboard,tensorbored]"],
+            "train.report_to: unknown tracker 'tensorbored'; known: ",
+        ),
+        (["train.report_to=[accelerate:nosuch]"], "train.report_to: unknown tracker 'nosuch'"),
+    ],
+)
+def test_validate_refuses_what_the_run_would_refuse_at_its_start(registry, overrides, said):
+    """These passed `clipkit validate` and stopped `clipkit train` once it had built the runtime
+    (ZeRO-3 + compile) or opened the run (an unknown tracker)."""
+    from clipkit.errors import RecipeError
+
+    with pytest.raises(RecipeError) as refused:
+        api.resolve("clip@tiny", overrides, registry)
+    assert len(refused.value.errors) == 1 and refused.value.errors[0].startswith(said), refused.value.errors
+
+
+def test_every_tracker_name_validate_knows_the_run_can_open():
+    """validate's list is the trackers plugin's own plus Accelerate's: the same two sources."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    from clipkit.config.recipe import validate
+    from clipkit.contract.registry import default_registry
+
+    registry = default_registry()
+    for name in ["tensorboard", "wandb", "mlflow", *LOGGER_TYPE_TO_CLASS]:
+        assert validate(api.resolve("clip@tiny", [f"train.report_to=[{name}]"], registry), registry) == []

@@ -22,6 +22,7 @@ from typing import Any
 
 from clipkit.config.constraints import type_hints
 from clipkit.config.dotted import get_path, lookup
+from clipkit.config.machine import usable_cpus
 from clipkit.config.settings_schema import (  # noqa: F401 — the sections are re-exported: clipkit.config.recipe.DataConfig
     SECTIONS,
     DataConfig,
@@ -135,8 +136,9 @@ def warn_deprecated(recipe: dict) -> None:
 
 
 def settings_without_effect(recipe: dict) -> list[str]:
-    """Settings the recipe sets that another of its settings makes do nothing: said, not ignored
-    unseen (each still validates and runs; a recipe may set them for its other variants)."""
+    """Settings the recipe sets that another of its settings (or this machine) makes do nothing, or
+    worse: said, not ignored unseen (each still validates and runs; a recipe may set them for its
+    other variants)."""
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
     distributed = train.get("distributed") if isinstance(train.get("distributed"), dict) else {}
     lines = []
@@ -157,6 +159,12 @@ def settings_without_effect(recipe: dict) -> list[str]:
                 f"train.{', '.join(changed)} does nothing with train.compile=none: "
                 "they say what train.compile compiles (e.g. train.compile=default)"
             )
+    threads, cpus = train.get("threads"), usable_cpus()
+    if _positive(threads) and threads > 2 * cpus:
+        lines.append(
+            f"train.threads={threads} is more than twice the {cpus} CPU(s) this process may use: "
+            "the threads take turns on the cores and the step slows down (train.threads=auto fits them)"
+        )
     if distributed.get("strategy", "ddp") != "deepspeed":
         zero_only = {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none"}
         changed = changed_from(distributed, zero_only)
@@ -533,7 +541,41 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
     if train.get("distill"):
         errors += _check_distill(recipe, train["distill"], registry)
-    return errors
+    return errors + _check_compile_strategy(train) + _check_trackers(train)
+
+
+def _check_compile_strategy(train: dict) -> list[str]:
+    """``train.compile`` under DeepSpeed ZeRO-3, which the run refuses (clipkit.train.runtime.zero)."""
+    from clipkit.config.settings_schema import ZERO3_COMPILE_REFUSAL
+
+    distributed = train.get("distributed") if isinstance(train.get("distributed"), dict) else {}
+    zero3 = distributed.get("strategy") == "deepspeed" and distributed.get("zero_stage") == 3
+    return (
+        [f"train.compile: {ZERO3_COMPILE_REFUSAL}"]
+        if zero3 and train.get("compile", "none") != "none"
+        else []
+    )
+
+
+def _check_trackers(train: dict) -> list[str]:
+    """Each ``train.report_to`` name a tracker's: clipkit's own, or Accelerate's (whose list is
+    imported, ~1 s, only when a name is not clipkit's). The run would refuse it at its start."""
+    from clipkit.config.settings_schema import BUILT_IN_TRACKERS
+
+    value = train.get("report_to") or []
+    names = value.split(",") if isinstance(value, str) else [str(item) for item in value]
+    others = [name.strip().removeprefix("accelerate:") for name in names if name.strip()]
+    others = [name for name in others if name not in BUILT_IN_TRACKERS]
+    if not others:
+        return []
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    known = ", ".join(sorted({*BUILT_IN_TRACKERS, *LOGGER_TYPE_TO_CLASS}))
+    return [
+        f"train.report_to: unknown tracker {name!r}; known: {known}"
+        for name in others
+        if name not in LOGGER_TYPE_TO_CLASS
+    ]
 
 
 def validate_or_raise(recipe: dict, registry: Registry, where: str | None = None) -> dict:

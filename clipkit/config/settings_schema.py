@@ -44,6 +44,17 @@ COMPILE_SCOPES = ("towers", "step")
 #: so a cold compile traces one transformer layer instead of all of them).
 COMPILE_UNITS = ("tower", "block")
 
+#: Why DeepSpeed ZeRO-3 refuses ``train.compile`` (clipkit.train.runtime.zero; validation says it
+#: before a run starts).
+ZERO3_COMPILE_REFUSAL = (
+    "under ZeRO-3 TorchDynamo traces DeepSpeed's per-module parameter-gathering hooks and "
+    "recompiles them for every module type up to its recompile limit; use zero_stage 1 or 2, "
+    "FSDP2 or DDP (compiled towers run there), or train.compile=none"
+)
+#: ``train.report_to`` names with a tracker of clipkit's own (clipkit.plugins.loggers.trackers);
+#: any other must be an Accelerate tracker's.
+BUILT_IN_TRACKERS = ("tensorboard", "wandb", "mlflow")
+
 #: Longest data.timeout (seconds; a day): sockets and select() overflow far above it.
 MAX_TIMEOUT = 86400.0
 #: Most data.retries: the back-off doubles per attempt (capped), so more only stalls a dead shard.

@@ -32,10 +32,11 @@ from typing import Any, Protocol
 
 from clipkit import install_hint
 from clipkit.config.dotted import get_path
+from clipkit.config.settings_schema import BUILT_IN_TRACKERS
 from clipkit.contract.hookspecs import hookimpl
 from clipkit.errors import ClipkitError
 
-BUILT_IN = ("tensorboard", "wandb", "mlflow")
+BUILT_IN = BUILT_IN_TRACKERS
 EXTRA_HINT = install_hint("trackers")
 #: Open trackers per run directory (a process may train several runs, e.g. in tests).
 _open: dict[str, list[Tracker]] = {}

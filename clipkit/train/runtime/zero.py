@@ -66,13 +66,9 @@ class DeepSpeedStrategy:
         the run's weights were right (1.1e-6 of eager DDP's after 4 steps) but TorchDynamo traced
         DeepSpeed's per-module parameter hooks and recompiled them per module type until its
         recompile limit (8), three hooks over, leaving them eager after a wasted compile."""
-        if self.zero_stage == 3:
-            return (
-                "under ZeRO-3 TorchDynamo traces DeepSpeed's per-module parameter-gathering hooks and "
-                "recompiles them for every module type up to its recompile limit; use zero_stage 1 or 2, "
-                "FSDP2 or DDP (compiled towers run there), or train.compile=none"
-            )
-        return None
+        from clipkit.config.settings_schema import ZERO3_COMPILE_REFUSAL
+
+        return ZERO3_COMPILE_REFUSAL if self.zero_stage == 3 else None
 
     def prepare(self, model, optimizer):
         try:
