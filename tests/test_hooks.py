@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import typer
 from smoke_data import place_smoke_shards
 from typer.testing import CliRunner
@@ -11,6 +12,7 @@ from clipkit.contract.hookspecs import hookimpl
 from clipkit.contract.manager import make_plugin_manager
 from clipkit.contract.types import Sample
 from clipkit.data.shard import open_source
+from clipkit.errors import PluginError
 
 
 class HelloCommand:
@@ -46,6 +48,21 @@ def test_register_commands_adds_a_cli_command():
     result = CliRunner().invoke(app, ["hello", "--name", "clip"])
     assert result.exit_code == 0 and result.output.strip() == "hello clip"
     assert "hello" in CliRunner().invoke(app, ["--help"]).output
+
+
+class BrokenCommand:
+    @hookimpl
+    def register_commands(self, app):
+        raise RuntimeError("no such option")
+
+
+def test_a_command_hook_that_raises_is_one_line_naming_the_plugin():
+    """Was a traceback from every command, ``--help`` included (main() prints a PluginError as one
+    ``error:`` line and exits 2)."""
+    with pytest.raises(
+        PluginError, match=r"BrokenCommand.*register_commands hook raised RuntimeError: no such"
+    ):
+        make_app(make_plugin_manager(autoload=False, extra_plugins=[HelloCommand(), BrokenCommand()]))
 
 
 def test_plugin_source_wins_over_builtin():

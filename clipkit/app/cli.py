@@ -884,7 +884,10 @@ def make_app(pm=None) -> typer.Typer:
 
         pm = make_plugin_manager()
     use_plugin_manager(pm)
-    pm.hook.register_commands(app=app)
+    from clipkit.contract.registry import call_registration
+
+    for impl in reversed(pm.hook.register_commands.get_hookimpls()):  # pluggy's call order
+        call_registration(pm, impl, "register_commands", app=app)  # a plugin's bug: one line, not a traceback
     return app
 
 

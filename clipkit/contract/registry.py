@@ -108,15 +108,16 @@ def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, E
                 )
             table[name] = Entry(kind, name, factory, _plugin)
 
-        call_registration(pm, impl, hook_name, register)
+        call_registration(pm, impl, hook_name, register=register)
     return table
 
 
-def call_registration(pm: pluggy.PluginManager, impl: Any, hook_name: str, register: Callable) -> None:
-    """Run one plugin's ``register_<kind>`` hook; an exception it raises (a plugin bug, not a
-    :class:`ClipkitError`) becomes one line naming the plugin, its distribution and the hook."""
+def call_registration(pm: pluggy.PluginManager, impl: Any, hook_name: str, **arguments: Any) -> None:
+    """Run one plugin's ``register_<kind>`` (or ``register_commands``) hook with ``arguments``; an
+    exception it raises (a plugin bug, not a :class:`ClipkitError`) becomes one line naming the
+    plugin, its distribution and the hook."""
     try:
-        impl.function(register=register)
+        impl.function(**arguments)
     except ClipkitError:
         raise
     except Exception as error:
