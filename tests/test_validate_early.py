@@ -93,8 +93,10 @@ def test_required_tokenizer_is_an_optional_encoder_member(registry):
             "{tmp}/missing.jsonl: table not found",
         ),
         (["data.shards={tmp}/out", "data.source=nowhere://x"], "no data source accepts 'nowhere://x'"),
+        # validate said ok; train refused once it had sharded the data and built the student
+        (["train.distill.teacher={tmp}/teacher"], "train.distill.teacher: {tmp}/teacher does not exist"),
     ],
-    ids=["missing-shards", "missing-table", "unknown-scheme"],
+    ids=["missing-shards", "missing-table", "unknown-scheme", "missing-teacher"],
 )
 def test_validate_checks_the_data_location_as_train_does(app, in_tmp, overrides, message):
     overrides = [item.format(tmp=in_tmp) for item in overrides]

@@ -149,11 +149,7 @@ def build_distillation(
         stored = stored_teacher(shards, section(recipe, "data"))
         check_widths(losses, stored.dim, student_dim, f"{shards} (stored teacher)")
         return Distillation(losses, stored.scale, stored.bias)
-    if not Path(config.teacher).exists():
-        raise ClipkitError(
-            f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
-            "Hugging Face CLIP directory)"
-        )
+    check_teacher(recipe)
     teacher = Teacher.load(config.teacher, registry, runtime.device)
     check_widths(losses, teacher.dim, student_dim, config.teacher)
     shares = teacher.shares_tokens(section(recipe, "model").tokenizer)
@@ -165,6 +161,21 @@ def build_distillation(
             file=sys.stderr,
         )
     return Distillation(losses, teacher.scale, teacher.bias, teacher, student_transform, shares)
+
+
+def check_teacher(recipe: dict) -> None:
+    """A live teacher's directory exists: asked by ``clipkit validate`` and by ``clipkit train``
+    before its run directory is written (:func:`clipkit.train.build.check_data_location`), and again
+    when the teacher is loaded. A file-system check, so not part of the recipe's validation: a
+    recipe may name a teacher that a first run will export (quickstart@distill)."""
+    config = distill_config(recipe)
+    if config is None or config.stored or not config.teacher:
+        return  # stored embeddings, or no teacher at all (which validation refuses)
+    if not Path(config.teacher).exists():
+        raise ClipkitError(
+            f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
+            "Hugging Face CLIP directory)"
+        )
 
 
 def without_weight(entry: dict) -> dict:
