@@ -10,6 +10,8 @@ import pytest
 
 from clipkit.app import api
 from clipkit.config.recipe import settings_without_effect, variants_of
+from clipkit.plugins.similarities.dot import DotSimilarity
+from clipkit.plugins.similarities.kme import KMESimilarity
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -96,6 +98,10 @@ def test_threads_far_above_the_usable_cpus_are_one_warning_line(registry, capsys
             "train.report_to: unknown tracker 'tensorbored'; known: ",
         ),
         (["train.report_to=[accelerate:nosuch]"], "train.report_to: unknown tracker 'nosuch'"),
+        (  # the run refused it once the model was built, after sharding the data
+            ["train.precision=bf16", "train.similarity_precision=half", "similarity=kme"],
+            "train.similarity_precision: half: the similarity KMESimilarity does not declare half_features",
+        ),
     ],
 )
 def test_validate_refuses_what_the_run_would_refuse_at_its_start(registry, overrides, said):
@@ -118,3 +124,22 @@ def test_every_tracker_name_validate_knows_the_run_can_open():
     registry = default_registry()
     for name in ["tensorboard", "wandb", "mlflow", *LOGGER_TYPE_TO_CLASS]:
         assert validate(api.resolve("clip@tiny", [f"train.report_to=[{name}]"], registry), registry) == []
+
+
+def unnamed(**kwargs):
+    return DotSimilarity(**kwargs)
+
+
+def named(**kwargs) -> KMESimilarity:  # a string annotation (__future__), resolved by validation
+    return KMESimilarity(**kwargs)
+
+
+def test_a_similarity_factory_that_does_not_name_its_class_is_left_to_the_run():
+    """Validation reads ``half_features`` off the class a factory names; a plain function's module
+    is asked once built (clipkit.train.objective.feature_dtype), not refused unread."""
+    from clipkit.config.recipe import declared_class, half_features_refusal
+
+    assert declared_class(unnamed) is None and declared_class(named) is KMESimilarity
+    assert half_features_refusal(DotSimilarity) is None
+    assert half_features_refusal(DotSimilarity()) is None  # the built module, as the objective asks
+    assert "KMESimilarity does not declare half_features" in half_features_refusal(KMESimilarity)

@@ -541,7 +541,50 @@ def validate(recipe: dict, registry: Registry) -> list[str]:
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
     if train.get("distill"):
         errors += _check_distill(recipe, train["distill"], registry)
+    errors += _check_similarity_precision(recipe, registry)
     return errors + _check_compile_strategy(train) + _check_trackers(train)
+
+
+def half_features_refusal(similarity: Any) -> str | None:
+    """Why ``train.similarity_precision: half`` (with bf16/fp16 towers) cannot run with
+    ``similarity`` — its class, or the built module — or None when it declares ``half_features``.
+    Validation asks the factory's class, the objective the built module: one message for both."""
+    from clipkit.contract.types import optional_member
+
+    if optional_member(similarity, "half_features"):
+        return None
+    name = similarity.__name__ if isinstance(similarity, type) else type(similarity).__name__
+    return (
+        f"half: the similarity {name} does not declare half_features (it computes in fp32 only); "
+        "use train.similarity_precision=fp32"
+    )
+
+
+def declared_class(factory: Any) -> type | None:
+    """The class a registered factory builds, when it says so without being called: the class
+    itself, or a preset's (or function's) return annotation naming a class; else None."""
+    if inspect.isclass(factory):
+        return factory
+    try:  # type hints resolve a string annotation (`from __future__ import annotations`)
+        returns = typing.get_type_hints(factory).get("return")
+    except Exception:  # an annotation naming what its module cannot import: nothing declared
+        returns = None
+    return returns if inspect.isclass(returns) else None
+
+
+def _check_similarity_precision(recipe: dict, registry: Registry) -> list[str]:
+    """``train.similarity_precision: half`` with half towers and a similarity whose class does not
+    declare ``half_features``: the run refused it once the model was built (after sharding the
+    data). A factory that does not name its class is left to that run-time check."""
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    if train.get("similarity_precision") != "half" or train.get("precision") not in ("bf16", "fp16"):
+        return []  # fp32 features, or half ones that do nothing (settings_without_effect says so)
+    try:
+        similarity = declared_class(registry.factory("similarity", get_path(recipe, "similarity.name")))
+    except (UnknownNameError, TypeError):  # an unknown or missing name: the slot checks say it
+        return []
+    why = None if similarity is None else half_features_refusal(similarity)
+    return [f"train.similarity_precision: {why}"] if why else []
 
 
 def _check_compile_strategy(train: dict) -> list[str]:

@@ -210,16 +210,15 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
 def feature_dtype(setting: str, precision: str, similarity: nn.Module) -> torch.dtype:
     """The dtype features enter the similarity in: fp32, or under ``train.similarity_precision: half``
     and bf16/fp16 towers their dtype — for a similarity that declares ``half_features``."""
+    from clipkit.config.recipe import half_features_refusal
     from clipkit.errors import ClipkitError
     from clipkit.train.runtime import HALF
 
     if setting != "half" or precision not in HALF:
         return torch.float32
-    if not optional_member(similarity, "half_features"):
-        raise ClipkitError(
-            f"train.similarity_precision: half: the similarity {type(similarity).__name__} does not declare "
-            f"half_features (it computes in fp32 only); use similarity_precision: fp32"
-        )
+    why = half_features_refusal(similarity)  # validation asked the class; a factory may not name it
+    if why:
+        raise ClipkitError(f"train.similarity_precision: {why}")
     return HALF[precision]
 
 
