@@ -229,6 +229,18 @@ DAMAGES: list[tuple[str, Callable[[], None], tuple, str]] = [
         "plugins.model.tokenizer names an unknown plugin kind 'tokenzier' "
         "(known kinds: distill_loss, encoder,",
     ),
+    (  # loaded, and described as a KME model while the recipe built the dot-product one
+        "metadata-plugin-name-not-the-recipes",
+        lambda: edit_json(EXPORT / "clipkit.json", lambda m: m["plugins"]["similarity"].update(name="kme")),
+        EVAL,
+        "clipkit.json: plugins.similarity.name is 'kme' but its recipe's similarity.name is 'dot'",
+    ),
+    (
+        "metadata-plugin-slot-dropped",
+        lambda: edit_json(EXPORT / "clipkit.json", lambda m: m["plugins"].pop("similarity")),
+        EVAL,
+        "clipkit.json: plugins.similarity.name is None but its recipe's similarity.name is 'dot'",
+    ),
     (
         "metadata-files-entry-outside",
         lambda: edit_json(EXPORT / "clipkit.json", lambda m: m["files"].update({"../../x": {"sha256": "0"}})),

@@ -32,7 +32,7 @@ from clipkit import __version__
 from clipkit.artifacts.files import one_line, read_yaml_mapping
 from clipkit.artifacts.integrity import describe_files
 from clipkit.artifacts.io import Kept, OutputKind, atomic_directory, claim_output_directory, tensor_bytes
-from clipkit.artifacts.reader import FORMAT, METADATA, WEIGHTS
+from clipkit.artifacts.reader import FORMAT, METADATA, MODEL_SLOTS, WEIGHTS
 from clipkit.config.dotted import get_path
 from clipkit.config.recipe import SLOTS, section, validate_or_raise
 from clipkit.contract.manager import plugin_distribution
@@ -61,7 +61,6 @@ EXPORT_OUTPUT = OutputKind(
     ),  # eval-*: `clipkit eval`'s reports, their eval-index.json and its lock
     marker=METADATA,
 )
-MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")
 
 
 def describe(recipe: dict, registry: Registry) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 
 from clipkit.artifacts.files import one_line, read_json_object
 from clipkit.artifacts.integrity import policy, reading_artifact, verify_files, warn_unverified
+from clipkit.config.dotted import get_path
 from clipkit.config.recipe import validate
 from clipkit.contract.registry import KINDS, Registry
 from clipkit.errors import ArtifactError, ClipkitError
@@ -26,6 +27,9 @@ METADATA = "clipkit.json"
 #: Keys of clipkit.json that loading reads, with their JSON types.
 REQUIRED = {"format": str, "plugins": dict, "recipe": dict, "model": dict, "preprocessing": dict}
 REDO = "export the run again (clipkit export RUN OUT)"
+#: The recipe slots clipkit.json's ``plugins`` describes (each one the recipe sets), in the writer's
+#: order: the recipe decides the model that is built, ``plugins`` what is shown and checked as installed.
+MODEL_SLOTS = ("model.image_encoder", "model.text_encoder", "model.tokenizer", "similarity")
 
 
 def read_metadata(export_dir: Path) -> dict[str, Any]:
@@ -52,7 +56,24 @@ def read_metadata(export_dir: Path) -> dict[str, Any]:
                 f"{path}: plugins.{slot} names an unknown plugin kind {info['kind']!r} "
                 f"(known kinds: {', '.join(sorted(KINDS))}); {REDO}"
             )
+    check_plugins_match_recipe(path, metadata)
     return metadata
+
+
+def check_plugins_match_recipe(path: Path, metadata: dict[str, Any]) -> None:
+    """``plugins`` names the plugins of the stored recipe, slot by slot. The recipe decides the model
+    that is built; an edited ``plugins.similarity.name`` would otherwise load and describe the export
+    (eval reports, the installed-plugins check) as a model it is not."""
+    recipe, plugins = metadata["recipe"], metadata["plugins"]
+    for slot in dict.fromkeys([*plugins, *MODEL_SLOTS]):  # every listed slot, and every model slot
+        config = get_path(recipe, slot)
+        in_recipe = config.get("name") if isinstance(config, dict) else None
+        listed = plugins[slot]["name"] if slot in plugins else None
+        if listed != in_recipe:
+            raise ArtifactError(
+                f"{path}: plugins.{slot}.name is {listed!r} but its recipe's {slot}.name is "
+                f"{in_recipe!r} (edited?); {REDO}"
+            )
 
 
 def verify_export(export_dir: Path, metadata: dict[str, Any]) -> None:
