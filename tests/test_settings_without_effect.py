@@ -114,6 +114,20 @@ def test_validate_refuses_what_the_run_would_refuse_at_its_start(registry, overr
     assert len(refused.value.errors) == 1 and refused.value.errors[0].startswith(said), refused.value.errors
 
 
+def test_validate_knows_accelerates_trackers_without_importing_its_tracking(registry, monkeypatch):
+    """Every name of the static list is one Accelerate opens, and validating one of them does not
+    import accelerate.tracking (~0.7 s at every `clipkit validate`)."""
+    import sys
+
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    from clipkit.config.settings_schema import ACCELERATE_TRACKERS
+
+    assert set(ACCELERATE_TRACKERS) <= set(LOGGER_TYPE_TO_CLASS)
+    monkeypatch.setitem(sys.modules, "accelerate.tracking", None)  # importing it now raises
+    api.resolve("clip@tiny", [f"train.report_to=[{','.join(ACCELERATE_TRACKERS)}]"], registry)
+
+
 def test_every_tracker_name_validate_knows_the_run_can_open():
     """validate's list is the trackers plugin's own plus Accelerate's: the same two sources."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
@@ -143,3 +157,23 @@ def test_a_similarity_factory_that_does_not_name_its_class_is_left_to_the_run():
     assert half_features_refusal(DotSimilarity) is None
     assert half_features_refusal(DotSimilarity()) is None  # the built module, as the objective asks
     assert "KMESimilarity does not declare half_features" in half_features_refusal(KMESimilarity)
+
+
+def test_validate_and_the_run_refuse_compile_under_zero3_with_one_check(registry):
+    """Validation asks the refusal the DeepSpeed strategy gives the run (no copy of its rule)."""
+    from clipkit.config.recipe import compile_refusal
+    from clipkit.errors import RecipeError
+    from clipkit.train.runtime.zero import DeepSpeedStrategy
+
+    for stage in (1, 2, 3):
+        strategy = DeepSpeedStrategy(precision="no", zero_stage=stage, config={})
+        assert strategy.compile_refusal == compile_refusal("deepspeed", stage)
+    zero3 = [
+        "train.distributed.strategy=deepspeed",
+        "train.distributed.zero_stage=3",
+        "train.compile=default",
+    ]
+    with pytest.raises(RecipeError) as refused:
+        api.resolve("clip@tiny", zero3, registry)
+    assert refused.value.errors == [f"train.compile: {compile_refusal('deepspeed', 3)}"]
+    assert compile_refusal("deepspeed", 2) is None and compile_refusal("fsdp2", 3) is None

@@ -62,13 +62,11 @@ class DeepSpeedStrategy:
 
     @property
     def compile_refusal(self) -> str | None:
-        """ZeRO-3 refuses ``train.compile``: measured on CPU (2 processes, ``compile_scope: step``),
-        the run's weights were right (1.1e-6 of eager DDP's after 4 steps) but TorchDynamo traced
-        DeepSpeed's per-module parameter hooks and recompiled them per module type until its
-        recompile limit (8), three hooks over, leaving them eager after a wasted compile."""
-        from clipkit.config.settings_schema import ZERO3_COMPILE_REFUSAL
+        """ZeRO-3 refuses ``train.compile`` (why: :func:`clipkit.config.recipe.compile_refusal`,
+        which validation asks too, so `clipkit validate` refuses what the run would)."""
+        from clipkit.config.recipe import compile_refusal
 
-        return ZERO3_COMPILE_REFUSAL if self.zero_stage == 3 else None
+        return compile_refusal(self.name, self.zero_stage)
 
     def prepare(self, model, optimizer):
         try:
