@@ -7,6 +7,8 @@ the key / file / override, no traceback, nothing written.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -121,6 +123,29 @@ def test_validate_accepts_existing_shards_and_an_openable_source(app, in_tmp):
         app, "validate", TINY, f"data.shards={in_tmp}/shards", "data.source=synthetic://shapes?n=9"
     )
     assert_refused(other, "holds shards of 'synthetic://shapes?n=8'")
+
+
+def test_stored_teacher_embeddings_are_looked_for_in_the_manifest_first(app, in_tmp):
+    """train.distill.stored on shards without teacher embeddings: validate said ok, and train
+    sharded the source (when the shards were missing) and built the student before refusing. The
+    manifest says it: both refuse before anything is written."""
+    made = invoke(app, "shard", "synthetic://shapes?n=8", in_tmp / "plain")
+    assert made.exit_code == 0, made.output
+    (in_tmp / "tars").mkdir()  # the same tar without its manifest: read as a streamed set
+    shutil.copy(next((in_tmp / "plain").glob("*.tar")), in_tmp / "tars")
+    cases = {
+        "plain": ([f"data.shards={in_tmp}/plain"], "holds no teacher embeddings"),
+        "to-be-made": (
+            [f"data.shards={in_tmp}/new", "data.source=synthetic://shapes?n=8"],
+            "train.distill.stored reads a clipkit shard directory",
+        ),
+        "tars": ([f"data.shards={in_tmp}/tars"], "train.distill.stored: stored embeddings are read from"),
+    }
+    for overrides, message in cases.values():
+        overrides = [*overrides, "train.distill.stored=true"]
+        assert_refused(invoke(app, "validate", TINY, *overrides), message)
+        assert_refused(invoke(app, "train", TINY, *overrides, "--run-dir", in_tmp / "run"), message)
+    assert not (in_tmp / "new").exists() and not (in_tmp / "run").exists()  # no shards, no run
 
 
 # ----------------------------------------------------------------------------- eval arguments

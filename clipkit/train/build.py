@@ -30,7 +30,13 @@ from clipkit.model import ContrastiveModel, batched_input_size, build_model, bui
 from clipkit.model.init_weights import prepare_model
 from clipkit.model.lora import add_adapters
 from clipkit.train.checkpoint import latest_checkpoint, open_checkpoint, restore_trainer
-from clipkit.train.distill import Distillation, build_distillation, check_teacher, teacher_tokenizer
+from clipkit.train.distill import (
+    Distillation,
+    build_distillation,
+    check_stored_teacher,
+    check_teacher,
+    teacher_tokenizer,
+)
 from clipkit.train.ema import build_ema
 from clipkit.train.memory_fit import check_memory
 from clipkit.train.objective import build_objective
@@ -281,8 +287,8 @@ def shard_target(data: DataConfig) -> str:
 
 def check_data_location(recipe: dict, registry: Registry) -> None:
     """What training checks about the recipe's data before it writes anything (``clipkit validate``):
-    a live distillation teacher's directory, and the shard directory or the source it would be made
-    from (see :func:`ensure_shards`)."""
+    a live distillation teacher's directory, the shard directory or the source it would be made
+    from (see :func:`ensure_shards`), and stored teacher embeddings in those shards' manifest."""
     from clipkit.data.shard_sets import parse_mixture, resolve, resolve_entry
 
     check_teacher(recipe)  # the teacher is loaded before the data; say it before a shard is written
@@ -299,6 +305,8 @@ def check_data_location(recipe: dict, registry: Registry) -> None:
         resolve(data.shards, patience)
     else:
         check_shards(shard_target(data), data.source, pm=registry.pm)
+    # Shards made from data.source carry no teacher embeddings: say so before sharding, not after.
+    check_stored_teacher(recipe, distill_shards(recipe))
 
 
 def ensure_shards_once(runtime: Runtime, data: DataConfig, registry: Registry) -> str:

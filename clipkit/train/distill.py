@@ -28,7 +28,7 @@ from torch import Tensor
 
 from clipkit.config.recipe import distill_config, section
 from clipkit.contract.types import DistillLoss, DistillView, Logits, LossOutput, PointSet, optional_member
-from clipkit.data.teacher_shards import stored_teacher
+from clipkit.data.teacher_shards import StoredTeacher, stored_teacher
 from clipkit.errors import ClipkitError
 from clipkit.model import build_slot
 from clipkit.model.teacher import Teacher, teacher_logits
@@ -144,9 +144,7 @@ def build_distillation(
     )
     student_dim = section(recipe, "model").embed_dim
     if config.stored:
-        if shards is None:
-            raise ClipkitError("train.distill.stored: stored embeddings are read from shards (data.shards)")
-        stored = stored_teacher(shards, section(recipe, "data"))
+        stored = read_stored_teacher(recipe, shards)
         check_widths(losses, stored.dim, student_dim, f"{shards} (stored teacher)")
         return Distillation(losses, stored.scale, stored.bias)
     check_teacher(recipe)
@@ -176,6 +174,27 @@ def check_teacher(recipe: dict) -> None:
             f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
             "Hugging Face CLIP directory)"
         )
+
+
+def read_stored_teacher(recipe: dict, shards: str | None) -> StoredTeacher:
+    """The stored teacher of the shard directory ``shards`` (its manifest's ``info.teacher``, checked
+    against the recipe's augmentation); a streamed set or mixture (``shards`` None) has no manifest."""
+    if shards is None:
+        raise ClipkitError(
+            "train.distill.stored: stored embeddings are read from a clipkit shard directory's manifest "
+            "(data.shards from `clipkit shard --teacher`), not a mixture, URL or folder of tars"
+        )
+    return stored_teacher(shards, section(recipe, "data"))
+
+
+def check_stored_teacher(recipe: dict, shards: str | None) -> None:
+    """Stored embeddings are in the shards the run reads: asked by ``clipkit validate`` and by
+    ``clipkit train`` before it shards or writes anything (:func:`clipkit.train.build.check_data_location`),
+    so plain shards (or views of another augmentation) are refused before the student is built. Only
+    the manifest is read; a missing member of one sample is still the loader's to say."""
+    config = distill_config(recipe)
+    if config is not None and config.stored:
+        read_stored_teacher(recipe, shards)
 
 
 def without_weight(entry: dict) -> dict:
