@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 WEIGHT_NORMALIZATIONS = ("sum", "count")
 
 
+class PointSetError(ValueError):
+    """A :class:`PointSet` built from tensors of the wrong shape (or an unknown weight normalization).
+
+    A ``ValueError`` (what a plugin's own tests may catch), of its own class so the host can tell it
+    from any other ``ValueError`` raised inside a tower and name the slot that built it
+    (:meth:`clipkit.model.ContrastiveModel.run_tower`)."""
+
+
 class _PointSetFields(NamedTuple):
     points: Tensor
     weights: Tensor | None = None
@@ -65,9 +73,9 @@ class PointSet(_PointSetFields):
 
     def _validate(self) -> None:
         if self.points.dim() != 3:
-            raise ValueError(f"PointSet.points must be [B, M, d], got shape {tuple(self.points.shape)}")
+            raise PointSetError(f"PointSet.points must be [B, M, d], got shape {tuple(self.points.shape)}")
         if self.weight_normalization not in WEIGHT_NORMALIZATIONS:
-            raise ValueError(
+            raise PointSetError(
                 f"PointSet.weight_normalization must be one of {WEIGHT_NORMALIZATIONS}, "
                 f"got {self.weight_normalization!r}"
             )
@@ -75,7 +83,9 @@ class PointSet(_PointSetFields):
         for name in ("weights", "mask"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != batch_points:
-                raise ValueError(f"PointSet.{name} must be [B, M] = {batch_points}, got {tuple(value.shape)}")
+                raise PointSetError(
+                    f"PointSet.{name} must be [B, M] = {batch_points}, got {tuple(value.shape)}"
+                )
 
     @property
     def batch_size(self) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 from clipkit.config.recipe import SLOTS, section
 from clipkit.contract.built import check_built
 from clipkit.contract.registry import Registry
-from clipkit.contract.types import PointSet
+from clipkit.contract.types import PointSet, PointSetError
 from clipkit.data.image_modes import parse_background
 from clipkit.data.transforms import ImageTransform
 from clipkit.errors import ClipkitError, PluginError, SlotArgumentError
@@ -151,6 +151,7 @@ class ContrastiveModel(nn.Module):
         self.frozen_towers: tuple[str, ...] = ()  # model.frozen (clipkit.model.init_weights)
         # Who built each tower, for errors about what it returns (build_model names the plugin).
         self.tower_labels = {"image_encoder": "model.image_encoder", "text_encoder": "model.text_encoder"}
+        self.similarity_label = "the similarity"  # likewise, for a width the similarity cannot compare
 
     def train(self, mode: bool = True) -> ContrastiveModel:
         """Locked towers (``model.frozen``) stay in eval mode: no BatchNorm updates, no dropout."""
@@ -170,8 +171,17 @@ class ContrastiveModel(nn.Module):
         return self.run_tower("text_encoder", tokens)
 
     def run_tower(self, name: str, inputs: torch.Tensor) -> PointSet:
-        """The tower ``name`` on ``inputs``, its output checked (:func:`check_tower_output`)."""
-        return check_tower_output(getattr(self, name)(inputs), inputs, self.tower_labels[name])
+        """The tower ``name`` on ``inputs``, its output checked (:func:`check_tower_output`). A
+        PointSet the tower could not even build (points [B, d], weights of another shape) is one line
+        naming the slot and plugin too: PointSet's own ValueError was a traceback inside the plugin."""
+        who = self.tower_labels[name]
+        try:
+            output = getattr(self, name)(inputs)
+        except PointSetError as error:
+            raise PluginError(
+                f"{who}: forward built an invalid PointSet: {error}; {POINT_SET_SHAPES}"
+            ) from error
+        return check_tower_output(output, inputs, who)
 
     def forward(self, batch: dict[str, Any]) -> tuple[PointSet, PointSet]:
         """The two sides of each positive pair for this batch: (PointSet [B, M_a, d], PointSet [B, M_b, d]).
@@ -182,8 +192,33 @@ class ContrastiveModel(nn.Module):
         if self.pair == "two_view":
             return self.encode_image(batch["image"]), self.encode_image(batch["image2"])
         if self.pair == "vectors":
-            return self.run_tower("image_encoder", batch["x"]), self.run_tower("text_encoder", batch["y"])
-        return self.encode_image(batch["image"]), self.encode_text(batch["text"])
+            a, b = self.run_tower("image_encoder", batch["x"]), self.run_tower("text_encoder", batch["y"])
+        else:
+            a, b = self.encode_image(batch["image"]), self.encode_text(batch["text"])
+        check_widths(a, b, self.tower_labels, self.similarity_label)
+        return a, b
+
+
+#: What a tower's PointSet holds, for the errors about one it built wrong.
+POINT_SET_SHAPES = (
+    "a PointSet holds points [B, M, d] (weights and mask [B, M]); "
+    "a plain embedding [B, d] is PointSet(x[:, None])"
+)
+
+
+def check_widths(a: PointSet, b: PointSet, labels: dict[str, str], similarity: str) -> None:
+    """Refuse (:class:`PluginError`) point sets of two widths from the two towers: every similarity
+    compares points of one width (products, kernels and random features of d-vectors; none of the
+    built-ins projects one side), so this was a matmul error deep inside the similarity instead.
+    ``labels`` name the towers' slots and plugins, ``similarity`` the similarity's."""
+    if a.dim == b.dim:
+        return
+    image, text = labels["image_encoder"], labels["text_encoder"]
+    raise PluginError(
+        f"{image} returns points of width {a.dim} but {text} returns width {b.dim}; {similarity} compares "
+        "points of one width: make both towers return model.embed_dim (passed to a factory whose "
+        "signature names embed_dim)"
+    )
 
 
 def check_tower_output(output: Any, inputs: torch.Tensor, who: str) -> PointSet:
@@ -206,9 +241,9 @@ def check_tower_output(output: Any, inputs: torch.Tensor, who: str) -> PointSet:
     return output
 
 
-def tower_label(registry: Registry, config: dict, where: str) -> str:
+def slot_label(registry: Registry, kind: str, config: dict, where: str) -> str:
     """``model.image_encoder (my_vit, plugin 'x' (dist 0.1))``: the slot and who registered it."""
-    entry = registry.get("encoder", config["name"], where=where)
+    entry = registry.get(kind, config["name"], where=where)
     return f"{where} ({entry.name}, {registry.origin(entry)})"
 
 
@@ -276,9 +311,16 @@ def build_model(recipe: dict, registry: Registry, *, adapters: bool = True) -> C
     built = ContrastiveModel(
         image_encoder, text_encoder, similarity, tokenizer, transform, model.pair, eval_seed
     )
-    built.tower_labels = {"image_encoder": tower_label(registry, model.image_encoder, "model.image_encoder")}
+    built.tower_labels = {
+        "image_encoder": slot_label(registry, "encoder", model.image_encoder, "model.image_encoder")
+    }
     if text_encoder is not None:
-        built.tower_labels["text_encoder"] = tower_label(registry, model.text_encoder, "model.text_encoder")
+        built.tower_labels["text_encoder"] = slot_label(
+            registry, "encoder", model.text_encoder, "model.text_encoder"
+        )
+    built.similarity_label = "the similarity " + slot_label(
+        registry, "similarity", recipe["similarity"], "similarity"
+    ).removeprefix("similarity ")
     if adapters and model.lora:
         from clipkit.model.lora import add_adapters
 
