@@ -291,7 +291,7 @@ def check_data_location(recipe: dict, registry: Registry) -> None:
     from (see :func:`ensure_shards`), and stored teacher embeddings in those shards' manifest."""
     from clipkit.data.shard_sets import parse_mixture, resolve, resolve_entry
 
-    check_teacher(recipe)  # the teacher is loaded before the data; say it before a shard is written
+    check_teacher(recipe, registry)  # the teacher is loaded before the data; say it before a shard is written
     data = section(recipe, "data")
     if data.stream is not None:
         return

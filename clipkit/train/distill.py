@@ -147,7 +147,7 @@ def build_distillation(
         stored = read_stored_teacher(recipe, shards)
         check_widths(losses, stored.dim, student_dim, f"{shards} (stored teacher)")
         return Distillation(losses, stored.scale, stored.bias)
-    check_teacher(recipe)
+    check_teacher(recipe, registry)
     teacher = Teacher.load(config.teacher, registry, runtime.device)
     check_widths(losses, teacher.dim, student_dim, config.teacher)
     shares = teacher.shares_tokens(section(recipe, "model").tokenizer)
@@ -161,19 +161,66 @@ def build_distillation(
     return Distillation(losses, teacher.scale, teacher.bias, teacher, student_transform, shares)
 
 
-def check_teacher(recipe: dict) -> None:
-    """A live teacher's directory exists: asked by ``clipkit validate`` and by ``clipkit train``
-    before its run directory is written (:func:`clipkit.train.build.check_data_location`), and again
-    when the teacher is loaded. A file-system check, so not part of the recipe's validation: a
-    recipe may name a teacher that a first run will export (quickstart@distill)."""
+def check_teacher(recipe: dict, registry=None) -> None:
+    """A live teacher's path holds something a model can be read from: asked by ``clipkit validate``
+    and by ``clipkit train`` before its run directory is written
+    (:func:`clipkit.train.build.check_data_location`), and again when the teacher is loaded. A
+    file-system check, so not part of the recipe's validation: a recipe may name a teacher that a
+    first run will export (quickstart@distill). ``registry``: whose ``read_model`` plugins may read
+    more than the built-in layouts (then only a missing path or an empty folder is refused here)."""
     config = distill_config(recipe)
     if config is None or config.stored or not config.teacher:
         return  # stored embeddings, or no teacher at all (which validation refuses)
-    if not Path(config.teacher).exists():
+    problem = teacher_path_problem(Path(config.teacher), built_in_readers_only(registry))
+    if problem is not None:
         raise ClipkitError(
-            f"train.distill.teacher: {config.teacher} does not exist (a clipkit export, an open_clip or "
-            "Hugging Face CLIP directory)"
+            f"train.distill.teacher: {config.teacher} {problem}; a teacher path holds {TEACHERS}"
         )
+
+
+#: What ``train.distill.teacher`` may name (what :func:`clipkit.artifacts.reader.load_model` reads).
+TEACHERS = (
+    "a clipkit export (clipkit.json + model.safetensors), an open_clip or Hugging Face CLIP directory, "
+    "or an OpenAI-layout .safetensors state dict"
+)
+
+
+def teacher_path_problem(path: Path, built_in_only: bool) -> str | None:
+    """Why no model can be read from ``path`` (``does not exist``, ``is an empty folder``, ...), or
+    None. An empty folder or a stray file used to pass ``clipkit validate`` and fail only when the
+    teacher was loaded, after the data was sharded and the student built. Beyond a missing path and an
+    empty folder, the refusals hold for the built-in readers only (``built_in_only``): a plugin's
+    ``read_model`` may read other files."""
+    try:
+        if not path.exists():
+            return "does not exist"
+        if path.is_dir():
+            if not any(path.iterdir()):
+                return "is an empty folder"
+            export = path / "export"
+            if (
+                built_in_only
+                and not (path / "clipkit.json").is_file()
+                and (export / "clipkit.json").is_file()
+            ):
+                return f"is a run directory, not its export ({export})"
+            return None
+    except OSError:
+        return None  # unreadable: the loader names what it cannot read
+    if built_in_only and path.suffix != ".safetensors":
+        return "is a file but not a .safetensors state dict"
+    return None
+
+
+def built_in_readers_only(registry) -> bool:
+    """True when no plugin but clipkit's own implements ``read_model`` (the layouts clipkit knows);
+    without a ``registry``, the process's own (:func:`clipkit.contract.registry.default_registry`)."""
+    if registry is None:
+        from clipkit.contract.registry import default_registry
+
+        registry = default_registry()
+    impls = registry.pm.hook.read_model.get_hookimpls()
+    return all(impl.plugin_name.startswith("clipkit.") for impl in impls)
 
 
 def read_stored_teacher(recipe: dict, shards: str | None) -> StoredTeacher:
