@@ -68,8 +68,12 @@ def test_integer_weights_in_a_floating_slot_are_refused(open_clip_dir, tmp_path)
     out = tmp_path / "out"
     result = convert(open_clip_dir, out)
     assert result.exit_code == 2, result.output
-    assert "text_encoder.ln_final.weight: torch.int32 vs torch.float32" in result.output
-    assert str(open_clip_dir) in result.output and not out.exists()
+    # named by its key in the file, clipkit's beside it
+    assert (
+        "ln_final.weight (clipkit's text_encoder.ln_final.weight): torch.int32 vs torch.float32"
+        in result.output
+    )
+    assert str(open_clip_dir / open_clip.WEIGHTS) in result.output and not out.exists()
 
 
 def test_sound_weights_still_convert(open_clip_dir, tmp_path):

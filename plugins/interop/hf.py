@@ -1,4 +1,5 @@
-"""Hugging Face ``CLIPModel`` directories (``config.json`` + ``model.safetensors``), read and written
+"""Hugging Face ``CLIPModel`` directories (``config.json`` + ``model.safetensors``, or a sharded
+checkpoint: ``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``), read and written
 without importing transformers (JSON and safetensors only; ``pytorch_model.bin`` is never loaded).
 
 ``config.json`` may leave sub-config values at transformers' defaults out; the defaults below are
@@ -9,6 +10,7 @@ tower, so ResNet CLIP models cannot be written in this layout.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ from clipkit.plugins.interop.spec import mlp_ratio as ratio_of
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+#: A sharded checkpoint's index (``save_pretrained`` above its shard size): ``weight_map`` names the
+#: shard file of every tensor.
+INDEX = "model.safetensors.index.json"
 PREPROCESSOR = "preprocessor_config.json"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 #: What ``write_dir`` leaves in its folder (clipkit.artifacts.io.OutputKind): a folder holding only
@@ -173,22 +178,96 @@ def is_hf_clip(directory: Path) -> bool:
         return False
 
 
+def has_weights(directory: Path) -> bool:
+    """True when ``directory`` holds weights :func:`read_weights_of` reads (one file or an index)."""
+    return (Path(directory) / WEIGHTS).is_file() or (Path(directory) / INDEX).is_file()
+
+
+def weights_path(directory: Path) -> Path:
+    """The file that names the weights :func:`read_weights_of` reads: ``model.safetensors``, or the
+    index of a sharded checkpoint (for messages about the weights)."""
+    directory = Path(directory)
+    if (directory / WEIGHTS).is_file() or not (directory / INDEX).is_file():
+        return directory / WEIGHTS
+    return directory / INDEX
+
+
 def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
     """A Hugging Face CLIPModel directory -> (spec, clipkit-layout state dict)."""
-    from clipkit.plugins.interop.tensors import read_weights
-
     directory = Path(directory)
-    weights = directory / WEIGHTS
-    if not weights.is_file():
+    if not has_weights(directory):
         raise ClipkitError(
-            f"{directory}: {WEIGHTS} is missing (clipkit reads safetensors only; it never loads pickled "
-            "pytorch_model.bin files; sharded checkpoints are not supported)"
+            f"{directory}: {WEIGHTS} is missing, and {INDEX} too (clipkit reads safetensors only; it never "
+            "loads pickled pytorch_model.bin files)"
         )
     config = read_json(directory / CONFIG, required=True)
     spec = spec_from_config(
         config, read_json(directory / PREPROCESSOR, required=False), str(directory / CONFIG)
     )
-    return spec, hf_to_clipkit(read_weights(weights, "Hugging Face weights"))
+    spec.extra["weights"] = str(weights_path(directory))  # the file a mismatch names (layouts.build)
+    return spec, hf_to_clipkit(read_weights_of(directory))
+
+
+def read_weights_of(directory: Path) -> StateDict:
+    """The Hugging Face-keyed tensors of ``directory``: ``model.safetensors``, else the shards its
+    index names, merged. A folder holding both is read from the single file, with one note."""
+    from clipkit.plugins.interop.tensors import read_weights
+
+    single, index = directory / WEIGHTS, directory / INDEX
+    if single.is_file():
+        if index.is_file():
+            print(
+                f"note: {directory} holds {WEIGHTS} and a sharded checkpoint ({INDEX}); reading {WEIGHTS}",
+                file=sys.stderr,
+            )
+        return read_weights(single, "Hugging Face weights")
+    return read_shards(index)
+
+
+def read_shards(index: Path) -> StateDict:
+    """The tensors of a sharded checkpoint, merged by its index's ``weight_map`` (tensor -> shard
+    file). Refused in one line naming the file: a shard the index names that is missing, a tensor
+    the index places in a shard that does not hold it, or one a shard holds that the index does not
+    list (an index and shards of two saves)."""
+    from clipkit.plugins.interop.tensors import read_weights
+
+    weight_map = shard_map(index)
+    state: StateDict = {}
+    for shard in sorted(set(weight_map.values())):
+        path = index.parent / shard
+        listed = {key for key, name in weight_map.items() if name == shard}
+        if not path.is_file():
+            raise ClipkitError(
+                f"{index}: shard {shard} is missing (the index places {len(listed)} tensors in it)"
+            )
+        tensors = read_weights(path, "Hugging Face weights")
+        absent, unlisted = sorted(listed - set(tensors)), sorted(set(tensors) - listed)
+        if absent:
+            raise ClipkitError(f"{path}: {INDEX} places {absent[0]!r} in this shard, which does not hold it")
+        if unlisted:
+            raise ClipkitError(f"{path}: holds {unlisted[0]!r}, which {INDEX} does not list")
+        state.update(tensors)
+    return state
+
+
+def shard_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``, checked: tensor names to ``.safetensors`` file names beside the
+    index (a path would read a file outside the checkpoint's folder; a ``.bin`` shard is a pickle)."""
+    from clipkit.artifacts.files import read_json as read_artifact
+
+    weight_map = read_artifact(index, "sharded checkpoint index", expect=dict).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ClipkitError(f"{index}: weight_map must map each tensor name to its shard file")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise ClipkitError(
+                f"{index}: weight_map[{key!r}] = {shard!r} is not a file name beside the index"
+            )
+        if not shard.endswith(".safetensors"):
+            raise ClipkitError(
+                f"{index}: shard {shard} is not a .safetensors file (clipkit never loads pickled shards)"
+            )
+    return weight_map
 
 
 def write_dir(spec: ClipSpec, state: StateDict, out: Path) -> Path:

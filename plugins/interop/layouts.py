@@ -5,7 +5,8 @@ Layouts (:func:`detect`):
   ``open_clip``   an open_clip checkpoint directory (``open_clip_config.json`` +
                   ``open_clip_model.safetensors``);
   ``state_dict``  one ``.safetensors`` file in OpenAI/open_clip key layout (no config);
-  ``hf``          a Hugging Face ``CLIPModel`` directory (``config.json`` + ``model.safetensors``).
+  ``hf``          a Hugging Face ``CLIPModel`` directory (``config.json`` + ``model.safetensors``, or
+                  a sharded checkpoint: ``model.safetensors.index.json`` + its shards).
 
 Everything goes through a :class:`~clipkit.plugins.interop.spec.ClipSpec` and a clipkit-layout state dict.
 Neither open_clip nor transformers is imported, and no pickle is ever loaded (``.bin``/``.pt``
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from clipkit.artifacts.files import one_line
 from clipkit.errors import ClipkitError
+from clipkit.plugins.interop.keys import clipkit_to_hf, clipkit_to_open_clip
 from clipkit.plugins.interop.spec import CLIP_VOCAB_SIZE, ClipSpec, TextSpec, VisionSpec
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ def foreign_layouts(path: Path) -> dict[str, bool]:
     if (path / open_clip.CONFIG).is_file():
         found["open_clip"] = (path / open_clip.WEIGHTS).is_file()
     if hf.is_hf_clip(path):
-        found["hf"] = (path / hf.WEIGHTS).is_file()
+        found["hf"] = hf.has_weights(path)  # model.safetensors, or a sharded checkpoint's index
     return found
 
 
@@ -183,26 +185,84 @@ def build(spec: ClipSpec, state: dict, registry: Registry) -> tuple[ContrastiveM
     recipe = recipe_for(spec, state, registry)
     with parameters_not_initialised():  # every parameter is loaded (strictly) below
         model = build_model(recipe, registry)
-    source = spec.extra.get("converted_from", "").partition(":")[2]
-    load_strict(model, state, f"the weights converted from {source}" if source else "converted weights")
+    layout, _, source = spec.extra.get("converted_from", "").partition(":")
+    weights = spec.extra.get("weights") or source
+    where = f"the tensors of {weights}" if weights else "converted weights"
+    load_strict(model, state, where, in_file(layout, spec.vision.kind))
     return model.eval(), recipe
 
 
-def load_strict(model, state: dict, where: str) -> None:
-    """``load_state_dict`` that names every missing/unexpected key and shape mismatch."""
+#: The foreign layouts' key maps, clipkit -> the file's keys (:func:`in_file`).
+TO_FILE = {
+    "hf": lambda state, vision_kind: clipkit_to_hf(state),
+    "open_clip": clipkit_to_open_clip,
+    "state_dict": clipkit_to_open_clip,
+}
+
+
+def in_file(layout: str, vision_kind: str):
+    """``(clipkit key, tensor) -> {key in the file: tensor as the file holds it}`` for weights read
+    from ``layout``: a mismatch is named by the keys a user finds in their file (one clipkit
+    ``in_proj`` is three Hugging Face ``q/k/v_proj``). A key the map cannot translate (or another
+    layout) stays clipkit's."""
+    to_file = TO_FILE.get(layout)
+
+    def keys(key: str, tensor) -> dict:
+        if to_file is None:
+            return {key: tensor}
+        try:
+            return to_file({key: tensor}, vision_kind)
+        except (ClipkitError, RuntimeError, ValueError):  # no counterpart, a shape q/k/v cannot split
+            return {key: tensor}
+
+    return keys
+
+
+def load_strict(model, state: dict, where: str, file_keys=None) -> None:
+    """``load_state_dict`` that names every missing/unexpected key and shape mismatch, by the keys of
+    the file ``where`` names (``file_keys``: :func:`in_file`) with clipkit's beside them."""
+    keys = KeyNames(file_keys or (lambda key, tensor: {key: tensor}))
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in state and
-              tuple(state[k].shape) != tuple(own[k].shape)]  # fmt: skip
-    dtypes = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in own if k in state and
-              state[k].is_floating_point() != own[k].is_floating_point()]  # fmt: skip
-    if missing or unexpected or shapes or dtypes:
-        parts = [f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else ""]
-        parts.append(f"shape mismatches {shapes}" if shapes else "")
-        parts.append(f"dtype mismatches (integer weights in floating slots) {dtypes}" if dtypes else "")
-        raise ClipkitError(f"{where} do not fit the model: " + "; ".join(p for p in parts if p))
-    model.load_state_dict(state, strict=True)
+    both = [k for k in own if k in state]
+    shapes = [k for k in both if tuple(state[k].shape) != tuple(own[k].shape)]
+    dtypes = [k for k in both if state[k].is_floating_point() != own[k].is_floating_point()]
+    if not (missing or unexpected or shapes or dtypes):
+        model.load_state_dict(state, strict=True)
+        return
+    shape, dtype = (lambda t: tuple(t.shape)), (lambda t: t.dtype)
+    parts = [
+        ("missing", ", ".join(keys.named(k, own[k]) for k in missing)),
+        ("unexpected", ", ".join(keys.named(k, state[k]) for k in unexpected)),
+        ("shape mismatches", "; ".join(keys.compared(k, state[k], own[k], shape) for k in shapes)),
+        ("dtype mismatches (integer weights in floating slots)",
+         "; ".join(keys.compared(k, state[k], own[k], dtype) for k in dtypes)),
+    ]  # fmt: skip
+    raise ClipkitError(f"{where} do not fit the model: " + "; ".join(f"{a} {b}" for a, b in parts if b))
+
+
+class KeyNames:
+    """Names a clipkit key by the key(s) the weights file holds it under, clipkit's in brackets:
+    ``text_model.final_layer_norm.weight (clipkit's text_encoder.ln_final.weight)``."""
+
+    def __init__(self, file_keys) -> None:
+        self.file_keys = file_keys
+
+    def named(self, key: str, tensor) -> str:
+        found = list(self.file_keys(key, tensor))
+        return key if found == [key] else f"{', '.join(found)} (clipkit's {key})"
+
+    def compared(self, key: str, theirs, ours, what) -> str:
+        """``FILE_KEY (clipkit's KEY): what(file's) vs what(model's)``, as the file holds the tensor
+        (open_clip's projections transposed). A key the file splits (Hugging Face's q/k/v of one
+        ``in_proj``) is compared as clipkit holds it: the file's parts cannot be recovered from the
+        concatenation."""
+        in_file, wanted = self.file_keys(key, theirs), self.file_keys(key, ours)
+        if len(wanted) == 1 and list(in_file) == list(wanted):
+            ((file_key, mine),) = wanted.items()
+            return f"{self.named(key, ours)}: {what(in_file[file_key])} vs {what(mine)}"
+        return f"{self.named(key, ours)}: {what(theirs)} vs {what(ours)}"
 
 
 def read_foreign(path: Path, registry: Registry, options: dict) -> tuple[ContrastiveModel, dict] | None:

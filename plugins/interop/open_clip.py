@@ -176,6 +176,7 @@ def read_state_dict(path: Path, quick_gelu: bool | None = None) -> tuple[ClipSpe
     spec_from_state_dict(state, False, str(path))  # not a CLIP state dict: said before the activation
     chosen = quick_gelu if quick_gelu is not None else activation(Path(path))
     spec = spec_from_state_dict(state, chosen, str(path))
+    spec.extra["weights"] = str(path)  # the file a mismatch names (layouts.build)
     return spec, open_clip_to_clipkit(state, spec.vision.kind)
 
 
@@ -215,6 +216,7 @@ def read_dir(directory: Path) -> tuple[ClipSpec, StateDict]:
         )
     config = read_json(config_path, "open_clip config", expect=dict)
     spec = spec_from_config(config, str(config_path))
+    spec.extra["weights"] = str(weights)  # the file a mismatch names (layouts.build)
     return spec, open_clip_to_clipkit(read_weights(weights, "open_clip weights"), spec.vision.kind)
 
 
