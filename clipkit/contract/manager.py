@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import os
 import re
+import sys
 
 import pluggy
 
@@ -56,7 +57,40 @@ def make_plugin_manager(*, autoload: bool | None = None, extra_plugins=()) -> pl
         pm.check_pending()
     except pluggy.PluginValidationError as error:
         raise invalid_plugin(pm, error, loaded) from None
+    warn_unmarked_hooks(pm, loaded)
     return pm
+
+
+def warn_unmarked_hooks(pm: pluggy.PluginManager, loaded: dict[int, str]) -> None:
+    """One ``warning:`` line per function of a registered plugin named like a clipkit hook but not
+    marked ``@hookimpl``: pluggy registers only marked functions, so such a hook (say a
+    ``register_losses`` whose decorator was forgotten) was silently never called, and its names
+    were unknown to every recipe. ``loaded``: entry-point descriptions, as for :func:`invalid_plugin`."""
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # blocked
+            continue
+        where = loaded.get(id(plugin)) or f"plugin {name!r}"
+        for hook in unmarked_hooks(pm, plugin):
+            print(
+                f"warning: {where} defines {hook}() without @hookimpl, so clipkit never calls it; "
+                "decorate it with @clipkit.hookimpl (from clipkit.contract.hookspecs import hookimpl)",
+                file=sys.stderr,
+            )
+
+
+def unmarked_hooks(pm: pluggy.PluginManager, plugin) -> list[str]:
+    """The clipkit hook names ``plugin`` has as callables that pluggy does not take as its hooks."""
+    unmarked = []
+    for hook, caller in sorted(vars(pm.hook).items()):
+        if hook.startswith("_") or not caller.has_spec():
+            continue
+        try:
+            function = getattr(plugin, hook, None)
+        except Exception:  # noqa: BLE001 - a plugin object's property raising: not a hook either way
+            continue
+        if callable(function) and pm.parse_hookimpl_opts(plugin, hook) is None:
+            unmarked.append(hook)
+    return unmarked
 
 
 def import_entry_points(pm: pluggy.PluginManager) -> dict[int, str]:
