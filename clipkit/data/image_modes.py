@@ -6,7 +6,8 @@
   keeps whatever colour sits under transparent pixels (often black, sometimes garbage). Here the
   image is composited onto a ``background`` colour (white by default), as a viewer shows it;
 - **16-bit greyscale** (``I;16*``, and ``I`` holding values above 255): convert clips every value
-  above 255 to white. Here values are scaled from 0..65535 to 0..255;
+  above 255 to white (with a transparency key, the whole image). Here values are scaled from
+  0..65535 to 0..255, and a key's pixels are transparent;
 - **EXIF orientation** (phone photos store pixels sideways plus a rotate tag): convert ignores it.
   Here the pixels are turned upright, as every viewer does;
 - **CMYK** (print JPEGs): PIL's conversion without a colour profile (what convert does) is kept;
@@ -99,7 +100,7 @@ def to_rgb(image, background: tuple[int, int, int] = WHITE, orientation: int | N
     orientation = exif_orientation(image) if orientation is None else orientation
     if has_alpha(image):
         rgb = flatten_alpha(image, background)
-    elif image.mode in SIXTEEN_BIT_MODES or image.mode == "I":
+    elif is_sixteen_bit(image):
         rgb = sixteen_bit_to_rgb(image)
     elif image.mode == "RGB":
         rgb = image
@@ -114,10 +115,31 @@ def flatten_alpha(image, background: tuple[int, int, int]):
     """Composite an image with transparency onto ``background`` -> RGB (out = a·pixel + (1−a)·bg)."""
     from PIL import Image
 
-    rgba = image.convert("RGBA")
+    # PIL's RGBA conversion of 16-bit grey clips every value above 255 to white (the whole image,
+    # not only the transparent pixels): scale it first, as without transparency.
+    rgba = sixteen_bit_rgba(image) if is_sixteen_bit(image) else image.convert("RGBA")
     flat = Image.new("RGB", rgba.size, tuple(background))
     flat.paste(rgba.convert("RGB"), mask=rgba.getchannel("A"))
     return flat
+
+
+def is_sixteen_bit(image) -> bool:
+    """Whether ``image`` is 16-bit greyscale (``I;16*``) or 32-bit integer ``I`` (PNG's 16-bit grey)."""
+    return image.mode in SIXTEEN_BIT_MODES or image.mode == "I"
+
+
+def sixteen_bit_rgba(image):
+    """16-bit greyscale with a transparency key -> RGBA: grey scaled as :func:`sixteen_bit_to_rgb`
+    does, alpha 0 where the raw (unscaled) value equals the key, 255 elsewhere."""
+    import numpy as np
+    from PIL import Image
+
+    rgba = sixteen_bit_to_rgb(image).convert("RGBA")
+    key = image.info.get("transparency")
+    if isinstance(key, int):  # PNG's tRNS for grey images: one raw sample value
+        alpha = np.where(np.asarray(image) == key, 0, 255).astype(np.uint8)
+        rgba.putalpha(Image.fromarray(alpha, "L"))
+    return rgba
 
 
 def sixteen_bit_to_rgb(image):
