@@ -38,6 +38,11 @@ from clipkit.data.image_modes import WHITE, exif_orientation, oriented_size, to_
 from clipkit.errors import DataError
 
 BICUBIC = 3  # PIL.Image.BICUBIC, without importing PIL at module import
+#: Longest resized side, in crop sides, that the centre crop resizes whole (torchvision's way, pixel
+#: for pixel). Past it — aspect ratios beyond 64:1, spacer and banner images from web scrapes — only
+#: the region the crop keeps is resampled: a 1 x 20 000 PNG of 161 bytes resized whole to 224 px
+#: wide is 224 x 4 480 000 pixels (3 GB, 10 s), of which the crop keeps 224 x 224.
+MAX_RESIZED_SIDES = 64
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,8 @@ class ViewPlan:
     """Every random choice of one view, drawn before any pixel is decoded (so the decoder can be
     told how far it may downscale; see :func:`decode_transformed`).
 
-    box:       (left, top, right, bottom) region of the source image, in its own pixels.
+    box:       (left, top, right, bottom) region of the source image, in its own pixels (floats
+               for a centre crop of an extreme aspect ratio, :func:`centre_region_geometry`).
     resized:   (width, height) the box is resampled to (bicubic, antialiased).
     crop:      (left, top, side) square cut from the resampled box (eval path), or None.
     flip:      mirror left-right after resampling.
@@ -196,13 +202,31 @@ def center_crop_geometry(
 
     The resized image is never smaller than the crop (its shorter side is ``side`` and its longer
     side ``int(side · long / short)`` >= ``side``), so torchvision's zero padding of a too-small
-    image never applies here: an image smaller than ``side`` is upsampled first."""
+    image never applies here: an image smaller than ``side`` is upsampled first. Past
+    :data:`MAX_RESIZED_SIDES` the crop's region alone is resampled (:func:`centre_region_geometry`)."""
     width, height = size
     new_width, new_height = shorter_side_size(size, side)
+    if max(new_width, new_height) > MAX_RESIZED_SIDES * side:
+        return centre_region_geometry(size, side, (new_width, new_height))
     crop = None
     if (new_width, new_height) != (side, side):
         crop = (centred_offset(new_width, side), centred_offset(new_height, side), side)
     return (0, 0, width, height), (new_width, new_height), crop
+
+
+def centre_region_geometry(
+    size: tuple[int, int], side: int, resized: tuple[int, int]
+) -> tuple[tuple[float, float, float, float], tuple[int, int], None]:
+    """(box, (side, side), None) for an image whose ``resized`` size is too long to build: the
+    fractional source region that the centre crop of the resized image shows, resampled straight
+    to side × side. Same scale and same crop offsets as :func:`center_crop_geometry`'s geometry
+    (PIL's box resampling differs from resizing whole then cropping by a few grey levels at most,
+    in training and evaluation alike: both resample this box with PIL)."""
+    (width, height), (new_width, new_height) = size, resized
+    scale_x, scale_y = width / new_width, height / new_height
+    left, top = centred_offset(new_width, side), centred_offset(new_height, side)
+    box = (left * scale_x, top * scale_y, (left + side) * scale_x, (top + side) * scale_y)
+    return box, (side, side), None
 
 
 def shorter_side_size(size: tuple[int, int], side: int) -> tuple[int, int]:
@@ -224,8 +248,8 @@ def centred_offset(length: int, side: int) -> int:
 def resize_center_crop(image, size: int):
     """Resize so the shorter side is ``size`` (bicubic), then crop the central size × size."""
     box, resized, crop = center_crop_geometry(image.size, size)
-    if resized != image.size:  # PIL would return a copy of an image already the right size
-        image = image.resize(resized, BICUBIC)
+    if (box, resized) != ((0, 0, *image.size), image.size):  # else PIL would return a copy
+        image = image.resize(resized, BICUBIC, box=box)
     if crop is None:
         return image
     left, top, side = crop
@@ -377,8 +401,11 @@ def decode_transformed(
             view.from_uint8(render_drafted(image, plan, factor))
             for view, plan in zip(views, plans, strict=True)
         ]
-    pixels = as_array(decoded(image, where, background, orientation))
-    return [view.from_uint8(render(pixels, plan)) for view, plan in zip(views, plans, strict=True)]
+    image = decoded(image, where, background, orientation)
+    pixels = as_array(image)
+    return [
+        view.from_uint8(render_full(pixels, image, plan)) for view, plan in zip(views, plans, strict=True)
+    ]
 
 
 def decode_for_eval(data: bytes, transform: ImageTransform, where: str) -> torch.Tensor:
@@ -395,6 +422,13 @@ def decode_for_eval(data: bytes, transform: ImageTransform, where: str) -> torch
     # The orientation is read from the header, before decoding, as the loader does.
     image = decoded(image, where, transform.background, exif_orientation(image))
     return transform.transform_rgb(image, random.Random(0))  # the eval transform draws nothing
+
+
+def render_full(pixels, image, plan: ViewPlan) -> torch.Tensor:
+    """One view from a full-size decode: torch's resampler on ``pixels``, or PIL's on ``image``
+    (the same pixels) for a fractional box (:func:`centre_region_geometry`), as evaluation does."""
+    pixels_out = render(pixels, plan)
+    return render_drafted(image, plan, 1) if pixels_out is None else pixels_out
 
 
 def render_decoded(pixels, factor: int, views, plans: list[ViewPlan]) -> list[torch.Tensor]:
@@ -485,7 +519,10 @@ def scaled_axis(start: int, end: int, factor: int) -> tuple[int, int, bool] | No
 
 
 def scaled_axes(box: tuple[int, int, int, int], factor: int):
-    """(x axis, y axis) of :func:`scaled_axis`, or None when either is fractional at both ends."""
+    """(x axis, y axis) of :func:`scaled_axis`, or None when either is fractional at both ends
+    (or the box itself is: :func:`centre_region_geometry`'s are resampled by PIL)."""
+    if not all(isinstance(coordinate, int) for coordinate in box):
+        return None
     left, top, right, bottom = box
     x_axis, y_axis = scaled_axis(left, right, factor), scaled_axis(top, bottom, factor)
     return None if x_axis is None or y_axis is None else (x_axis, y_axis)
