@@ -6,18 +6,30 @@ training loader and evaluation.
 * A centre crop of an extreme aspect ratio (a 1 x 20 000 spacer PNG of 161 bytes) resamples only
   the region it keeps: resized whole to 224 px wide it was 224 x 4 480 000 pixels (3 GB, 10 s per
   image) in evaluation and the batched loader; the loader and evaluation still agree exactly.
+* Skipped rows are traceable: the manifest keeps the first row skipped for each reason
+  (``info.skipped_examples``, kept across a resume) and ``clipkit shard`` prints it under the counts.
+* ``clipkit eval`` over a raw table or folder (read, not sharded) said nothing of the rows it skipped:
+  a score over 12 of 24 rows looked like one over the whole table; each task's result now carries
+  a warning with the counts and the first row.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import random
 
 import numpy as np
 import torch
 from PIL import Image
+from typer.testing import CliRunner
 
+from clipkit.app import api
+from clipkit.app.cli import make_app
+from clipkit.contract.manager import make_plugin_manager
+from clipkit.contract.registry import Registry
 from clipkit.data.image_modes import to_rgb
+from clipkit.data.shard import open_source, read_manifest
 from clipkit.data.transforms import (
     MAX_RESIZED_SIDES,
     ImageTransform,
@@ -77,3 +89,68 @@ def test_extreme_aspect_ratio_is_the_same_in_the_loader_and_evaluation():
     assert torch.equal(batched.float() / 255, shown)
     middle = np.asarray(image.resize((side, 1600), 3))[796:804].astype(int)  # the whole strip, cropped
     assert np.abs(shown.permute(1, 2, 0).numpy() * 255 - middle).max() <= 3
+
+
+def write_table(directory, rows: list[dict]) -> str:
+    """``directory/t.jsonl`` with one row per dict, each with its own small PNG (``image`` set to
+    None in a row means no image file is written for it)."""
+    lines = []
+    for i, row in enumerate(rows):
+        if row.get("image", "") == "":
+            Image.new("RGB", (8, 8), (30 * i, 0, 0)).save(directory / f"{i}.png")
+            row = {"image": f"{i}.png", **{k: v for k, v in row.items() if k != "image"}}
+        lines.append(json.dumps(row))
+    (directory / "t.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory / "t.jsonl")
+
+
+BAD_ROWS = [
+    {"caption": "a red square"},
+    {"caption": "   "},
+    {"caption": "a red\u0000square"},
+    {"image": "gone.png", "caption": "a missing picture"},
+    {"caption": ""},
+]
+
+
+def test_shard_names_the_first_row_skipped_for_each_reason(tmp_path):
+    table = write_table(tmp_path, BAD_ROWS)
+    result = CliRunner().invoke(make_app(), ["shard", table, str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "skipped 4 bad row(s): bad_caption 1, empty_caption 2, missing_image 1" in result.output
+    examples = read_manifest(tmp_path / "out")["info"]["skipped_examples"]
+    assert examples["empty_caption"].startswith(f"{table}: line 2: empty_caption")  # the first of two
+    assert examples["bad_caption"].startswith(f"{table}: line 3: bad_caption: caption contains NUL")
+    assert "gone.png" in examples["missing_image"]
+    for example in examples.values():
+        assert f"  e.g. {example}" in result.output
+
+
+def test_skipped_row_examples_survive_a_resume(tmp_path):
+    table = write_table(tmp_path, [*BAD_ROWS, {"caption": "late"}, {"caption": "later"}])
+    rows = iter(source := open_source(table))
+    next(rows), next(rows)  # rows 1 and 6: the four bad rows between them skipped
+    state = json.loads(json.dumps(source.state()))  # as the shard journal stores it
+    assert set(state["skipped_examples"]) == {"empty_caption", "bad_caption", "missing_image"}
+    resumed = open_source(table)
+    resumed.restore(state)
+    assert len(list(resumed)) == 1  # row 7
+    assert resumed.info()["skipped_examples"] == dict(sorted(source.skipped_examples.items()))
+
+
+def test_eval_over_a_raw_table_says_which_rows_it_skipped(tmp_path):
+    from clipkit.eval.evaluate import run_evals
+    from clipkit.model import build_model
+
+    registry = Registry(make_plugin_manager(autoload=False))
+    table = write_table(tmp_path, [*BAD_ROWS, {"caption": "a dark square"}])
+    torch.manual_seed(0)
+    model = build_model(api.resolve("quickstart@smoke", [], registry), registry)
+    [result] = run_evals(model, [{"name": "retrieval", "data": table}], registry)
+    assert "failed" not in result, result
+    assert result["n_images"] == 2
+    (warning,) = [text for text in result["warnings"] if "skipped" in text]
+    assert warning.startswith(
+        f"{table}: 4 bad row(s) skipped (bad_caption 1, empty_caption 2, missing_image 1"
+    )
+    assert f"e.g. {table}: line 2: empty_caption" in warning and warning.endswith("scored on the 2 read")

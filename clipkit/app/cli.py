@@ -214,10 +214,12 @@ def shard_command(
             teacher=spec,
         )
     typer.echo(f"wrote {manifest['n']} samples in {len(manifest['shards'])} shard(s) to {out}")
-    from clipkit.data.shard_writer import skipped_rows_line
+    from clipkit.data.shard_writer import skipped_example_lines, skipped_rows_line
 
     if skipped_rows_line(manifest):
         typer.echo(skipped_rows_line(manifest))
+        for line in skipped_example_lines(manifest):
+            typer.echo(line)
     print_uncaptioned(manifest)
     print_image_counts(manifest)
 

@@ -528,6 +528,8 @@ def ensure_shards(shards: str, source: str, *, pm=None, progress=None) -> Path:
         line = skipped_rows_line(manifest)
         if line:  # what `clipkit shard` prints: no row is left out without a word
             print(f"data: {line} (while sharding {source} into {directory})", flush=True)
+            for example in skipped_example_lines(manifest):
+                print(f"data: {example}", flush=True)
         warning = uncaptioned_line(manifest)
         if warning:
             print(warning, file=sys.stderr, flush=True)
@@ -542,6 +544,14 @@ def skipped_rows_line(manifest: dict) -> str:
         return ""
     reasons = ", ".join(f"{reason} {count}" for reason, count in skipped.items())
     return f"skipped {sum(skipped.values())} bad row(s): {reasons}"
+
+
+def skipped_example_lines(manifest: dict) -> list[str]:
+    """``  e.g. FILE: line 7: bad_caption: ...``, the first row skipped for each reason (from a
+    manifest), so every count can be traced without rerunning with ``--strict`` (which stops at the
+    first bad row of any reason)."""
+    examples = (manifest.get("info") or {}).get("skipped_examples") or {}
+    return [f"  e.g. {example}" for example in examples.values()]
 
 
 def uncaptioned_line(manifest: dict) -> str:

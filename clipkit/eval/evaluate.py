@@ -8,6 +8,8 @@ can be evaluated. Random-feature similarities get a generator re-seeded with the
 
 from __future__ import annotations
 
+import contextvars
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,17 +124,47 @@ def require_counts(task: str, **values) -> None:
             raise ClipkitError(f"{task}: {name} must be an integer >= 1, got {value!r}")
 
 
+#: Warnings about the data the running task read (rows skipped while reading it), gathered by
+#: :func:`load_samples` and added to the task's result by :func:`run_evals`: a task plugin need not
+#: pass them on for a score computed on fewer rows than its source holds to say so.
+DATA_WARNINGS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "data_warnings", default=None
+)
+
+
 def load_samples(data: str, limit: int | None = None, *, registry: Registry) -> tuple[list[Sample], dict]:
-    """All samples (up to ``limit``) and the info of the source at ``data``."""
+    """All samples (up to ``limit``) and the info of the source at ``data``. Rows the source skips
+    (an undecodable image, an empty caption: a raw table or folder is read here, not sharded) are
+    one warning of the task's result (:func:`skipped_rows_warning`)."""
     source = open_source(data, pm=registry.pm)
     samples: list[Sample] = []
     for sample in source:
         if limit is not None and len(samples) >= limit:
             break
         samples.append(sample)
+    warning = skipped_rows_warning(data, source, len(samples))
+    gathered = DATA_WARNINGS.get()
+    if warning and gathered is not None:  # in run_evals: one of the result's warnings
+        gathered.append(warning)
+    elif warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if not samples:
-        raise DataError(f"{data}: no samples to evaluate")
+        raise DataError(f"{data}: no samples to evaluate" + (f" ({warning})" if warning else ""))
     return samples, dict(source.info())
+
+
+def skipped_rows_warning(data: str, source: Any, read: int) -> str | None:
+    """``DATA: N bad row(s) skipped (reason n, ...; e.g. FILE: line 7: ...): scored on the M read``
+    for a source that skipped rows while being read (file sources count them in ``skipped``), else
+    None. A shard directory skips nothing here: its rows were counted when it was written."""
+    skipped = dict(getattr(source, "skipped", None) or {})
+    if not skipped:
+        return None
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(skipped.items()))
+    examples = list((getattr(source, "skipped_examples", None) or {}).values())
+    example = f"; e.g. {examples[0][:200]}" if examples else ""
+    total = sum(skipped.values())
+    return f"{data}: {total} bad row(s) skipped ({reasons}{example}): scored on the {read} read"
 
 
 def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry: Registry) -> list[dict]:
@@ -146,16 +178,20 @@ def run_evals(model: ContrastiveModel, tasks: Iterable[dict[str, Any]], registry
     results = []
     model.eval()
     for i, config in enumerate(tasks):
+        data_warnings = DATA_WARNINGS.set([])
         try:
             task = build_slot(registry, "eval", task_arguments(config), f"eval.{i}")
             result = {"name": config["name"], **task(model, registry)}
             if isinstance(config, dict) and config.get(ABOUT):
                 result[ABOUT] = config[ABOUT]  # a suite's title and main metric for the task
+            result["warnings"] = [*DATA_WARNINGS.get(), *(result.get("warnings") or [])]
             add_warnings(result)
         except Exception as error:  # noqa: BLE001 — reported in the suite's results, never lost
             message = str(error) if isinstance(error, ClipkitError) else f"{type(error).__name__}: {error}"
             described = {k: config[k] for k in ("data", "label", "dataset") if config.get(k) is not None}
             result = {"name": config.get("name", "?"), **described, "failed": message}
+        finally:
+            DATA_WARNINGS.reset(data_warnings)
         results.append(result)
     return results
 

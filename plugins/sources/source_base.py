@@ -243,6 +243,16 @@ def clean_captions(
     return tuple(captions)
 
 
+def bad_row_message(where: str, bad: BadRow) -> str:
+    """``WHERE: REASON: DETAIL``, the row named once (many details start with it already)."""
+    return f"{where}: {bad.reason}: {bad.detail.removeprefix(f'{where}: ')}"
+
+
+def preview_text(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters (a skipped row's message kept in the manifest)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def preview(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to about ``limit`` characters, for messages about huge values."""
     text = repr(value)
@@ -347,6 +357,8 @@ class FileSource(abc.ABC):
             raise DataError(f"{self.path}: workers must be >= 1, got {workers}")
         self.workers = int(workers)
         self.skipped: dict[str, int] = {}
+        #: reason -> the first row skipped for it ("FILE row N: detail"), so a count can be traced.
+        self.skipped_examples: dict[str, str] = {}
         self.yielded = 0
         self.consumed = 0
         self.complete = False
@@ -363,6 +375,7 @@ class FileSource(abc.ABC):
         self.consumed = int(resume.get("consumed", 0))
         self.yielded = int(resume.get("yielded", 0))
         self.skipped = dict(resume.get("skipped", {}))
+        self.skipped_examples = dict(resume.get("skipped_examples", {}))
         self.image_counts = ImageCounts.from_state(resume.get("images"))
         self.complete = False
         remaining = itertools.islice(self.candidates(), self.consumed, None)
@@ -370,9 +383,11 @@ class FileSource(abc.ABC):
             # Counted in source order (not completion order), so state() matches what was yielded.
             self.consumed += 1
             if isinstance(outcome, BadRow):
-                if self.strict:  # the row named once (some details start with it already)
-                    raise DataError(f"{where}: {outcome.reason}: {outcome.detail.removeprefix(f'{where}: ')}")
+                if self.strict:
+                    raise DataError(bad_row_message(where, outcome))
                 self.skipped[outcome.reason] = self.skipped.get(outcome.reason, 0) + 1
+                message = preview_text(bad_row_message(where, outcome))
+                self.skipped_examples.setdefault(outcome.reason, message)
                 continue
             self.yielded += 1
             yield self.image_counts.normalise(outcome, self.background)
@@ -381,6 +396,7 @@ class FileSource(abc.ABC):
     def state(self) -> dict[str, Any]:
         """Where iteration stands: candidates consumed, samples yielded, skips by reason (JSON-able)."""
         return {"consumed": self.consumed, "yielded": self.yielded, "skipped": dict(self.skipped),
+                "skipped_examples": dict(self.skipped_examples),
                 "images": self.image_counts.state()}  # fmt: skip
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -401,6 +417,8 @@ class FileSource(abc.ABC):
             info.update(
                 n=self.yielded, skipped=dict(sorted(self.skipped.items())), **self.image_counts.info()
             )
+            if self.skipped_examples:
+                info["skipped_examples"] = dict(sorted(self.skipped_examples.items()))
         if self.background is not None:
             info["background"] = list(self.background)
         return info
