@@ -11,15 +11,21 @@ training loader and evaluation.
 * ``clipkit eval`` over a raw table or folder (read, not sharded) said nothing of the rows it skipped:
   a score over 12 of 24 rows looked like one over the whole table; each task's result now carries
   a warning with the counts and the first row.
+* A ``classes:`` or ``folder:`` source left out files named like images in formats the shards do
+  not store (``.gif``, ``.tif``, ``.avif``, ``.svg``) without a count; they are now listed and counted
+  (``unsupported_image``), and a ``.jfif`` (a JPEG) is stored. Two class folders that are one
+  directory (a symbolic link to a sibling) are refused: their images were labelled twice.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import random
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from typer.testing import CliRunner
@@ -39,6 +45,7 @@ from clipkit.data.transforms import (
     decode_transformed,
     resize_center_crop,
 )
+from clipkit.errors import DataError
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:
@@ -154,3 +161,31 @@ def test_eval_over_a_raw_table_says_which_rows_it_skipped(tmp_path):
         f"{table}: 4 bad row(s) skipped (bad_caption 1, empty_caption 2, missing_image 1"
     )
     assert f"e.g. {table}: line 2: empty_caption" in warning and warning.endswith("scored on the 2 read")
+
+
+def test_class_folders_count_images_in_formats_the_shards_do_not_store(tmp_path):
+    frames = [Image.new("RGB", (8, 8), colour) for colour in ("red", "blue")]
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "cat" / "a.png")
+    frames[0].save(tmp_path / "cat" / "b.gif", save_all=True, append_images=frames[1:])
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "cat" / "c.tif")
+    (tmp_path / "cat" / "d.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg"/>')
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "cat" / "e.jfif", format="JPEG")
+    (tmp_path / "cat" / "._a.png").write_bytes(b"\x00\x05\x16\x07")  # macOS resource fork: not a row
+    (tmp_path / "cat" / "notes.txt").write_text("not an image")
+    source = open_source(f"classes:{tmp_path}")
+    samples = list(source)
+    assert [(sample.key, sample.image_ext) for sample in samples] == [("cat/a", "png"), ("cat/e", "jpg")]
+    assert source.skipped == {"unsupported_image": 3}  # b.gif, c.tif, d.svg: were left out uncounted
+    (tmp_path / "cat" / "f.txt").write_text("a caption")
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "cat" / "f.tif")
+    folder = open_source(f"folder:{tmp_path}")
+    assert list(folder) == [] and folder.skipped == {"missing_caption": 5, "unsupported_image": 1}
+
+
+def test_two_class_folders_that_are_one_directory_are_refused(tmp_path):
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "cat" / "a.png")
+    os.symlink(tmp_path / "cat", tmp_path / "kitten")
+    with pytest.raises(DataError, match="'cat' and 'kitten' are the same directory"):
+        open_source(f"classes:{tmp_path}")

@@ -46,6 +46,7 @@ from .source_base import (  # noqa: F401
     DEFAULT_MAX_CAPTION_CHARS,
     IMAGE_SUFFIXES,
     LINE_BREAKS,
+    OTHER_IMAGE_SUFFIXES,
     PIL_FORMAT_EXT,
     BadRow,
     FileSource,
@@ -99,17 +100,36 @@ def is_caption_folder(path: Path) -> bool:
 
 
 def image_files(directory: Path, *, recursive: bool = True) -> list[Path]:
-    """Entries named like images under ``directory`` (hidden ones left out), sorted so keys and
-    order are stable. Not only regular files: a FIFO, a device, a directory or a dangling or looping
-    symbolic link named ``*.png`` is listed too, so reading it skips and counts it (left out here,
-    it would vanish from the data without a trace)."""
+    """Entries named like images under ``directory`` (hidden ones left out: ``.DS_Store``, macOS's
+    ``._x.jpg`` resource forks), sorted so keys and order are stable. Not only regular files: a
+    FIFO, a device, a directory or a dangling or looping symbolic link named ``*.png`` is listed
+    too, so reading it skips and counts it (left out here, it would vanish from the data without a
+    trace); so are images in formats the shards do not store (``.gif``, ``.tif``, ``.svg``: see
+    :func:`read_listed_image`)."""
     candidates = directory.rglob("*") if recursive else directory.iterdir()
     return sorted(
         path
         for path in candidates
-        if path.suffix.lower() in IMAGE_SUFFIXES
+        if path.suffix.lower() in IMAGE_SUFFIXES + OTHER_IMAGE_SUFFIXES
         and not any(part.startswith(".") for part in path.relative_to(directory).parts)
     )
+
+
+def read_listed_image(path: Path, max_bytes: int) -> tuple[bytes, str]:
+    """:func:`read_image` for a file a folder source listed: its format is read from its bytes
+    (a ``.jfif`` JPEG is stored; a GIF or TIFF is ``unsupported_image``), and a file named like an
+    image in a format PIL does not read at all (SVG, HEIC without a plugin) is ``unsupported_image``
+    too, not ``bad_image``: nothing in it is damaged."""
+    try:
+        return read_image(path, max_bytes)
+    except BadRow as bad:
+        if bad.reason != "bad_image" or path.suffix.lower() not in OTHER_IMAGE_SUFFIXES:
+            raise
+        if "not a readable image" not in bad.detail:  # identified but damaged: stays bad_image
+            raise
+        stored = ", ".join(suffix.lstrip(".") for suffix in IMAGE_SUFFIXES)
+        raise BadRow("unsupported_image", f"image {path}: {path.suffix} images are not read (the shards "
+                     f"store {stored}); convert it, e.g. to PNG") from None  # fmt: skip
 
 
 class FolderSource(FileSource):
@@ -146,7 +166,7 @@ class CaptionFolderSource(FolderSource):
         # Lines end at \n (\r\n, \r): str.splitlines would also split at \x0b, \x1c, \u2028...
         captions = clean_captions(LINE_BREAKS.split(text), str(caption_path), self.max_caption_chars)
         meta = self.meta(image_path)
-        image, image_ext = read_image(image_path, self.max_image_bytes)  # last: the costly check
+        image, image_ext = read_listed_image(image_path, self.max_image_bytes)  # last: the costly check
         key = image_path.relative_to(self.path).with_suffix("").as_posix()
         return Sample(key=key, image=image, image_ext=image_ext, captions=captions, meta=meta)
 
@@ -169,6 +189,20 @@ def class_name(folder: str) -> str:
     return folder.replace("_", " ")
 
 
+def refuse_aliased_classes(root: Path, folders: list[str]) -> None:
+    """DataError when two class folders are one directory (a symbolic link to a sibling): each of
+    its images would be scored under two labels, one of them necessarily wrong. A link to a folder
+    elsewhere is a class like any other."""
+    seen: dict[Path, str] = {}
+    for folder in folders:
+        real = (root / folder).resolve()
+        if real in seen:
+            raise DataError(f"{root}: class folders {seen[real]!r} and {folder!r} are the same "
+                            f"directory ({real}; a symbolic link): its images would be labelled twice; "
+                            "remove one")  # fmt: skip
+        seen[real] = folder
+
+
 class ClassFolderSource(FolderSource):
     """``PATH/<class>/<images>``: a labelled evaluation set; classes are the sorted folder names."""
 
@@ -180,6 +214,7 @@ class ClassFolderSource(FolderSource):
         self.folders = sorted(folders)
         if not self.folders:
             raise DataError(f"{self.path}: no class sub-directories")
+        refuse_aliased_classes(self.path, self.folders)
         self.classes = [class_name(folder) for folder in self.folders]
 
     def candidates(self) -> Iterator[tuple[str, Callable[[], Sample]]]:
@@ -188,7 +223,7 @@ class ClassFolderSource(FolderSource):
                 yield str(image_path), lambda p=image_path, i=label: self.build(p, i)
 
     def build(self, image_path: Path, label: int) -> Sample:
-        image, image_ext = read_image(image_path, self.max_image_bytes)
+        image, image_ext = read_listed_image(image_path, self.max_image_bytes)
         name = self.classes[label]
         return Sample(
             key=image_path.relative_to(self.path).with_suffix("").as_posix(),

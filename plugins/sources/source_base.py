@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: Other names of image files people keep beside those. A folder source lists them too, so each is
+#: read and counted (a ``.jfif`` is a JPEG and is stored; a GIF, TIFF, AVIF, HEIC or SVG is
+#: ``unsupported_image``) instead of vanishing from the data without a trace.
+OTHER_IMAGE_SUFFIXES = (".jfif", ".jpe", ".gif", ".tif", ".tiff", ".avif", ".heic", ".heif",
+                        ".svg", ".svgz", ".ico", ".jp2", ".jxl", ".psd", ".tga")  # fmt: skip
 #: PIL format -> the shard field name; only encodings clipkit.data.shard.decode_record reads back.
 #: "MPO" is how PIL reads camera JPEGs that carry a multi-picture extension: plain JPEG files to any decoder.
 PIL_FORMAT_EXT = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp", "BMP": "bmp"}
