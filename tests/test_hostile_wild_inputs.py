@@ -15,6 +15,9 @@ training loader and evaluation.
   not store (``.gif``, ``.tif``, ``.avif``, ``.svg``) without a count; they are now listed and counted
   (``unsupported_image``), and a ``.jfif`` (a JPEG) is stored. Two class folders that are one
   directory (a symbolic link to a sibling) are refused: their images were labelled twice.
+* A caption of only invisible characters (zero-width spaces, a byte-order mark, a Hangul filler)
+  was kept, the text tower reading nothing but its start and end tokens: ``empty_caption`` now.
+  Captions with something visible keep their format characters (emoji joiners).
 """
 
 from __future__ import annotations
@@ -189,3 +192,12 @@ def test_two_class_folders_that_are_one_directory_are_refused(tmp_path):
     os.symlink(tmp_path / "cat", tmp_path / "kitten")
     with pytest.raises(DataError, match="'cat' and 'kitten' are the same directory"):
         open_source(f"classes:{tmp_path}")
+
+
+@pytest.mark.parametrize("caption", ["\u200b\u200b", "\ufeff", "\u3164", " \u2060\u200d "])
+def test_a_caption_that_shows_nothing_is_an_empty_caption(tmp_path, caption):
+    table = write_table(tmp_path, [{"caption": caption}, {"caption": "👨\u200d👩\u200d👧 a family"}])
+    source = open_source(table)
+    (kept,) = list(source)
+    assert kept.captions == ("👨\u200d👩\u200d👧 a family",)  # joiners inside a caption are kept
+    assert source.skipped == {"empty_caption": 1}

@@ -226,9 +226,10 @@ def clean_captions(
 
     BadRow: "bad_caption" for a non-string or a caption holding NUL (binary data, or UTF-16 text
     read as UTF-8); "bad_encoding" for non-UTF-8 text; "caption_too_long" for a caption of more
-    than ``max_chars`` characters; "empty_caption" when none is left. Other control characters
-    (C0 but tab / line feed / carriage return, DEL, C1) are stray bytes from scraping or legacy
-    encodings, harmless to keep the sample for: each becomes a space.
+    than ``max_chars`` characters; "empty_caption" when none is left (a caption showing nothing,
+    only zero-width or other invisible characters, counts as none: :func:`is_blank`). Other
+    control characters (C0 but tab / line feed / carriage return, DEL, C1) are stray bytes from
+    scraping or legacy encodings, harmless to keep the sample for: each becomes a space.
     """
     captions = []
     for value in values:
@@ -241,7 +242,7 @@ def clean_captions(
         if len(text) > max_chars:
             raise BadRow("caption_too_long", f"{where}: caption of {len(text)} characters (max_caption_chars "
                          f"is {max_chars}): {preview(text)}")  # fmt: skip
-        if text:
+        if not is_blank(text):
             captions.append(text)
     if not captions:
         raise BadRow("empty_caption", f"{where}: no non-empty caption")
@@ -256,6 +257,22 @@ def bad_row_message(where: str, bad: BadRow) -> str:
 def preview_text(text: str, limit: int = 300) -> str:
     """``text`` cut to ``limit`` characters (a skipped row's message kept in the manifest)."""
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+#: Letters that render as nothing (Hangul fillers, the blank Braille pattern); with whitespace and
+#: the invisible format characters (category Cf: zero-width space, byte-order mark, joiners) they
+#: make up captions that only look non-empty.
+BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` shows nothing: only whitespace, invisible format characters (``\u200b``,
+    ``\ufeff``, ...) and blank letters. Such a caption gives a text tower only its start and end
+    tokens; it is counted as ``empty_caption`` rather than trained on. A caption holding anything
+    else keeps its format characters (an emoji sequence's zero-width joiners)."""
+    import unicodedata
+
+    return all(ch.isspace() or ch in BLANK_LETTERS or unicodedata.category(ch) == "Cf" for ch in text)
 
 
 def preview(value: Any, limit: int = 60) -> str:
