@@ -7,7 +7,8 @@ training loader and evaluation.
   the region it keeps: resized whole to 224 px wide it was 224 x 4 480 000 pixels (3 GB, 10 s per
   image) in evaluation and the batched loader; the loader and evaluation still agree exactly.
 * Skipped rows are traceable: the manifest keeps the first row skipped for each reason
-  (``info.skipped_examples``, kept across a resume) and ``clipkit shard`` prints it under the counts.
+  (``info.skipped_examples``, kept across a resume) and ``clipkit shard`` prints it under the counts;
+  PIL's ``<_io.BytesIO object at 0x...>`` is left out of them (a different address every run).
 * ``clipkit eval`` over a raw table or folder (read, not sharded) said nothing of the rows it skipped:
   a score over 12 of 24 rows looked like one over the whole table; each task's result now carries
   a warning with the counts and the first row.
@@ -201,3 +202,12 @@ def test_a_caption_that_shows_nothing_is_an_empty_caption(tmp_path, caption):
     (kept,) = list(source)
     assert kept.captions == ("👨\u200d👩\u200d👧 a family",)  # joiners inside a caption are kept
     assert source.skipped == {"empty_caption": 1}
+
+
+def test_skipped_examples_hold_no_memory_address(tmp_path):
+    (tmp_path / "v.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg"/>')
+    table = write_table(tmp_path, [{"image": "v.svg", "caption": "a vector"}, {"caption": "a square"}])
+    source = open_source(table)
+    list(source)
+    (example,) = source.info()["skipped_examples"].values()
+    assert example.endswith("is not a readable image (cannot identify image file)"), example

@@ -204,7 +204,7 @@ def verify_image_bytes(data: bytes, where: str) -> str:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise BadRow("image_too_large", f"{where}: {error}") from None
     except Exception as error:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
-        raise BadRow("bad_image", f"{where} is not a readable image ({error})") from None
+        raise BadRow("bad_image", f"{where} is not a readable image ({pil_error_text(error)})") from None
     with image:
         # Checked before decoding: only the formats the shards store are ever decoded.
         if image.format not in PIL_FORMAT_EXT:
@@ -217,6 +217,17 @@ def verify_image_bytes(data: bytes, where: str) -> str:
         except Exception as error:
             raise BadRow("bad_image", f"{where} does not decode ({error})") from None
         return PIL_FORMAT_EXT[image.format]
+
+
+#: How PIL names an in-memory file in its messages: a memory address, different on every run.
+BYTES_IO_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def pil_error_text(error: Exception) -> str:
+    """PIL's message without the ``<_io.BytesIO object at 0x...>`` it names in-memory data by: the
+    message is kept in the manifest (``info.skipped_examples``), which must not change from run to
+    run of the same source."""
+    return BYTES_IO_REPR.sub("", str(error))
 
 
 def clean_captions(
