@@ -47,14 +47,14 @@ def test_misspelled_hook_is_an_error():
         make_plugin_manager(autoload=False, extra_plugins=[Misspelled()])
 
 
-def install_plugin(root, module: str, source: str) -> None:
-    """A distribution ``evil-plugin 0.1`` in ``root`` (put on sys.path by the caller) whose
+def install_plugin(root, module: str, source: str, distribution: str = "evil-plugin") -> None:
+    """A distribution ``DISTRIBUTION 0.1`` in ``root`` (put on sys.path by the caller) whose
     ``clipkit`` entry point ``module`` is the module ``module`` with ``source``."""
     (root / f"{module}.py").write_text(source, encoding="utf-8")
-    info = root / "evil_plugin-0.1.dist-info"
+    info = root / f"{distribution.replace('-', '_')}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: evil-plugin\nVersion: 0.1\n", encoding="utf-8"
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.1\n", encoding="utf-8"
     )
     (info / "entry_points.txt").write_text(f"[clipkit]\n{module} = {module}\n", encoding="utf-8")
 

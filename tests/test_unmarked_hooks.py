@@ -4,6 +4,8 @@ naming the plugin and the function (docs/plugins.md); clipkit's own plugins warn
 
 from __future__ import annotations
 
+from test_registry import install_plugin
+
 from clipkit.contract.hookspecs import hookimpl
 from clipkit.contract.manager import make_plugin_manager
 from clipkit.contract.registry import Registry
@@ -26,18 +28,6 @@ def register_loss_helper():  # not a hook's name: nothing to say
 """
 
 
-def install_plugin(root, module: str, source: str) -> None:
-    """A distribution ``forgetful-plugin 0.1`` in ``root`` (put on sys.path by the caller) whose
-    ``clipkit`` entry point ``module`` is the module ``module`` with ``source``."""
-    (root / f"{module}.py").write_text(source, encoding="utf-8")
-    info = root / "forgetful_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: forgetful-plugin\nVersion: 0.1\n", encoding="utf-8"
-    )
-    (info / "entry_points.txt").write_text(f"[clipkit]\n{module} = {module}\n", encoding="utf-8")
-
-
 def warnings_in(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("warning:")]
 
@@ -45,7 +35,7 @@ def warnings_in(text: str) -> list[str]:
 def test_an_installed_plugin_with_an_unmarked_hook_warns_naming_plugin_and_function(
     tmp_path, monkeypatch, capsys
 ):
-    install_plugin(tmp_path, "forgetful", SOURCE)
+    install_plugin(tmp_path, "forgetful", SOURCE, "forgetful-plugin")
     monkeypatch.syspath_prepend(str(tmp_path))
     pm = make_plugin_manager(autoload=True)
     (line,) = warnings_in(capsys.readouterr().err)
