@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from clipkit.config.settings_schema import OneOf, Range
+from clipkit.config.settings_schema import Numbers, OneOf, Range
 from clipkit.contract.hookspecs import hookimpl
 from clipkit.errors import ClipkitError
 from clipkit.plugins.optim_groups import GroupRule, parameter_groups
@@ -24,6 +24,8 @@ LR = Annotated[float, Range(gt=0)]
 NON_NEGATIVE = Annotated[float, Range(ge=0)]
 STEPS = Annotated[int, Range(ge=0)]
 BETA = Annotated[float, Range(ge=0, lt=1)]
+# Adam's (β1, β2): exactly two, each in [0, 1) (torch would read the first two of a longer list).
+BETAS = Annotated[tuple[float, float], Numbers(2, Range(ge=0, lt=1))]
 # Per-group settings: unset (None) takes the optimizer's own lr / weight_decay / layer_decay.
 GROUP_LR = Annotated[float | None, Range(gt=0)]
 GROUP_DECAY = Annotated[float | None, Range(ge=0)]
@@ -65,7 +67,7 @@ def adamw(
     named_parameters,
     lr: LR = 5e-4,
     weight_decay: NON_NEGATIVE = 0.2,
-    betas: tuple[float, float] = (0.9, 0.98),
+    betas: BETAS = (0.9, 0.98),
     eps: Annotated[float, Range(gt=0)] = 1e-6,
     implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
     layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
@@ -97,7 +99,7 @@ def adam(
     named_parameters,
     lr: LR = 1e-3,
     weight_decay: NON_NEGATIVE = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: BETAS = (0.9, 0.999),
     eps: Annotated[float, Range(gt=0)] = 1e-8,
     implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
     layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
@@ -157,7 +159,7 @@ def lamb(
     named_parameters,
     lr: LR = 1e-3,
     weight_decay: NON_NEGATIVE = 0.01,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: BETAS = (0.9, 0.999),
     eps: Annotated[float, Range(gt=0)] = 1e-6,
     layer_decay: Annotated[float, Range(gt=0, le=1)] = 1.0,
     image_lr: GROUP_LR = None,

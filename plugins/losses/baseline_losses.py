@@ -25,11 +25,13 @@ Hand-derived cases (tested):
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from clipkit.config.constraints import NON_NEGATIVE, POSITIVE, Range
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.plugins.losses.infonce import InfoNCE
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, SigmoidPairTerms, TiledLogits
@@ -152,7 +154,11 @@ class CyCLIPLoss:
     #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
     compiles = True
 
-    def __init__(self, lambda_cross: float = 0.25, lambda_in: float = 0.25) -> None:
+    def __init__(
+        self,
+        lambda_cross: Annotated[float, NON_NEGATIVE] = 0.25,
+        lambda_in: Annotated[float, NON_NEGATIVE] = 0.25,
+    ) -> None:
         for name, value in (("lambda_cross", lambda_cross), ("lambda_in", lambda_in)):
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -220,7 +226,7 @@ class DecoupledContrastiveLoss:
     supports_local_loss = True
     fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
-    def __init__(self, weighting_sigma: float | None = None) -> None:
+    def __init__(self, weighting_sigma: Annotated[float | None, POSITIVE] = None) -> None:
         if weighting_sigma is not None and not weighting_sigma > 0:
             raise ValueError(f"weighting_sigma must be > 0 (or None for no weighting), got {weighting_sigma}")
         self.weighting_sigma = weighting_sigma
@@ -291,7 +297,11 @@ class DebiasedContrastiveLoss:
     supports_local_loss = True
     fused_reductions = True  # its tiled_loss runs in the fused kernels on CUDA (clipkit.tiled.fused)
 
-    def __init__(self, tau_plus: float = 0.1, temperature: float = 0.5) -> None:
+    def __init__(
+        self,
+        tau_plus: Annotated[float, Range(ge=0, lt=1)] = 0.1,
+        temperature: Annotated[float, POSITIVE] = 0.5,
+    ) -> None:
         if not 0.0 <= tau_plus < 1.0:
             raise ValueError(f"tau_plus (the positive class prior τ⁺) must be in [0, 1), got {tau_plus}")
         if not temperature > 0:

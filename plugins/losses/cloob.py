@@ -23,9 +23,12 @@ mean(−2 + log(1 + e), −1 + log 2, −3 + 1 + log 2) ≈ −0.766815.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import Tensor
 
+from clipkit.config.constraints import POSITIVE
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import TiledLogits
 
@@ -118,7 +121,7 @@ class CLOOBLoss:
     # full-batch loss, so train.distributed.local_loss is exact (tests/test_distributed.py).
     supports_local_loss = True
 
-    def __init__(self, inverse_tau: float = 30.0) -> None:
+    def __init__(self, inverse_tau: Annotated[float, POSITIVE] = 30.0) -> None:
         if inverse_tau <= 0:
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.tau = 1.0 / inverse_tau

@@ -8,8 +8,11 @@ each row's CE is log(e² + 1) − 2 = log(1 + e⁻²) ≈ 0.126928, so the loss 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from torch import Tensor, nn
 
+from clipkit.config.constraints import Range
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, ScaledLogits, TiledLogits
 
@@ -30,7 +33,7 @@ class InfoNCE:
     #: plain tensor code: train.compile_scope=step compiles it with the similarity (clipkit.train.compile)
     compiles = True
 
-    def __init__(self, label_smoothing: float = 0.0) -> None:
+    def __init__(self, label_smoothing: Annotated[float, Range(ge=0, lt=1)] = 0.0) -> None:
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         self.label_smoothing = label_smoothing

@@ -64,10 +64,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.constraints import NON_NEGATIVE, POSITIVE, OneOf, Range
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.tiled import TiledLogits
 
@@ -76,6 +78,10 @@ ZETA_LR_SCHEDULES = ("constant", "cosine_stepdown")
 FIRST_VISITS = ("ema", "set")
 XI_UPDATES = ("epoch", "step")
 OFFSET_RESCALES = ("exact", "code")
+
+# Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges"); the factories check them too.
+TAU = Annotated[float, POSITIVE]
+GAMMA = Annotated[float, Range(gt=0, le=1)]  # γ = 1: u is this batch's g alone (no averaging)
 
 
 @dataclass(frozen=True)
@@ -530,22 +536,24 @@ class NUCLRLoss(CompositionalContrastive):
     def __init__(
         self,
         num_samples: int,
-        tau: float = 0.01,
-        gamma: float = 0.8,
+        tau: TAU = 0.01,
+        gamma: GAMMA = 0.8,
         zeta_init: float = -0.05,
         xi_init: float = 0.0,
-        zeta_lr: float = 5e-6,
-        zeta_momentum: float = 0.9,
-        zeta_lr_image_scale: float = 0.1,
-        freeze_epochs: float = 5,
-        epochs: int | None = None,
+        zeta_lr: Annotated[float, NON_NEGATIVE] = 5e-6,
+        zeta_momentum: Annotated[float, Range(gt=0, le=1)] = 0.9,
+        zeta_lr_image_scale: Annotated[float, NON_NEGATIVE] = 0.1,
+        freeze_epochs: Annotated[float, NON_NEGATIVE] = 5,
+        epochs: Annotated[int | None, Range(ge=1)] = None,
         total_steps: int | None = None,
         batch_size: int | None = None,
-        zeta_lr_schedule: str = "cosine_stepdown",
-        first_visit: str = "set",
-        xi_update: str = "epoch",
-        offset_rescale: str = "exact",
+        zeta_lr_schedule: Annotated[str, OneOf(ZETA_LR_SCHEDULES)] = "cosine_stepdown",
+        first_visit: Annotated[str, OneOf(FIRST_VISITS)] = "set",
+        xi_update: Annotated[str, OneOf(XI_UPDATES)] = "epoch",
+        offset_rescale: Annotated[str, OneOf(OFFSET_RESCALES)] = "exact",
     ) -> None:
+        if epochs is not None and not epochs >= 1:  # E = 0 or less: no epoch for the ζ schedule to run
+            raise ValueError(f"epochs must be >= 1 (or null: derived from train.steps), got {epochs}")
         if not xi_init > zeta_init:
             raise ValueError(f"xi_init (ξ0) must exceed zeta_init (ζ0), got ξ0={xi_init}, ζ0={zeta_init}")
         if epochs is None and zeta_lr_schedule == "cosine_stepdown":
@@ -580,7 +588,7 @@ class SogCLRLoss(CompositionalContrastive):
     ``surrogate``; ``objective_{d}`` and ``u_mean_{d}`` per direction.
     """
 
-    def __init__(self, num_samples: int, tau: float = 0.01, gamma: float = 0.9) -> None:
+    def __init__(self, num_samples: int, tau: TAU = 0.01, gamma: GAMMA = 0.9) -> None:
         super().__init__(num_samples, tau, gamma, learn_popularity=False)
 
 

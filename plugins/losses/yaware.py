@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.constraints import NON_NEGATIVE, POSITIVE, OneOf
 from clipkit.contract.types import Logits, LossContext, LossOutput
 from clipkit.errors import ClipkitError
 from clipkit.tiled import ArgMax, LogSumExp, RowSum, TiledLogits
@@ -86,6 +87,23 @@ def parse_kernel(kernel: Sequence[Mapping[str, Any]] | str | None) -> KernelSpec
     return tuple(_parse_factor(factor) for factor in kernel)
 
 
+@dataclass(frozen=True)
+class KernelConstraint:
+    """The constraint on a ``kernel`` argument that ``clipkit validate`` checks: whatever
+    :func:`parse_kernel` refuses, refused before training with the key named (loss.kernel)."""
+
+    def problem(self, value: Any) -> str | None:
+        try:
+            parse_kernel(value)
+        except ValueError as error:
+            return str(error)
+        return None
+
+
+#: A loss's ``kernel`` argument: a kernel spec (module docstring), None = the default kernel.
+KERNEL = Annotated[list | str | None, KernelConstraint()]
+
+
 def _parse_factor(factor: Mapping[str, Any] | KernelFactor) -> KernelFactor:
     if isinstance(factor, KernelFactor):
         return factor
@@ -129,9 +147,7 @@ def meta_kernel(
     kernel = None
     for factor in spec:
         if factor.key not in meta:
-            raise ValueError(
-                f"meta-data key {factor.key!r} required by the kernel is missing; got {sorted(meta)}"
-            )
+            raise ValueError(missing_meta(factor.key, meta))
         values = meta[factor.key]
         if size is not None and len(values) != size:
             raise ValueError(f"meta[{factor.key!r}] has {len(values)} values, expected {size}")
@@ -141,6 +157,15 @@ def meta_kernel(
             raise ValueError(f"meta[{factor.key!r}] has {term.shape[0]} values, expected {kernel.shape[0]}")
         kernel = term if kernel is None else kernel * term
     return kernel
+
+
+def missing_meta(key: str, meta: Mapping[str, Any]) -> str:
+    """Why the batch cannot feed the kernel factor on ``key``, and the override that maps a column to it
+    (a recipe's kernel names meta-data its data may call otherwise, e.g. ``age`` for ``extent``)."""
+    return (
+        f"meta-data key {key!r} required by the kernel is missing; got {sorted(meta)}; "
+        f"name the column it comes from with data.meta_keys.{key}=COLUMN"
+    )
 
 
 def _rbf(values: Any, key: str, sigma: float) -> Tensor:
@@ -154,8 +179,10 @@ def rbf_values(values: Any, key: str) -> Tensor:
     try:
         y = torch.as_tensor(values.tolist() if isinstance(values, Tensor) else values, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as error:
+        shown = list(values[:3]) if isinstance(values, (list, tuple)) else values
         raise ValueError(
-            f"rbf kernel on meta[{key!r}] needs numbers or equal-length number lists: {error}"
+            f"rbf kernel on meta[{key!r}] needs numbers or equal-length number lists, got {shown!r}...; "
+            f"a category is compared by a delta kernel ({{key: {key}, type: delta}})"
         ) from error
     if y.dim() == 1:
         y = y.unsqueeze(1)
@@ -304,7 +331,9 @@ class YAwareInfoNCE(_KernelLoss):
                    official code: column sums, sum over anchors / N; see :func:`yaware_infonce`).
     """
 
-    def __init__(self, kernel: list | str | None = None, normalisation: str = "rows") -> None:
+    def __init__(
+        self, kernel: KERNEL = None, normalisation: Annotated[str, OneOf(NORMALISATIONS)] = "rows"
+    ) -> None:
         super().__init__(kernel)
         if normalisation not in NORMALISATIONS:
             raise ValueError(f"unknown normalisation {normalisation!r}: expected one of {NORMALISATIONS}")
@@ -348,7 +377,10 @@ class SupConLoss(YAwareInfoNCE):
     """
 
     def __init__(
-        self, label_key: str = "label", base_temperature: float | None = None, temperature: float = 0.07
+        self,
+        label_key: str = "label",
+        base_temperature: Annotated[float | None, POSITIVE] = None,
+        temperature: Annotated[float, POSITIVE] = 0.07,
     ) -> None:
         if not isinstance(label_key, str) or not label_key:
             raise ValueError(f"label_key must be a non-empty string, got {label_key!r}")
@@ -385,7 +417,12 @@ class ConditionalAlignUniform(_KernelLoss):
     #: per-row factors; tileable in principle, like yaware_infonce).
     tiled_unsupported = "no tiled form yet (conditional uniformity); use train.tiled=false"
 
-    def __init__(self, kernel: list | str | None = None, lam: float = 1.0, eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        kernel: KERNEL = None,
+        lam: Annotated[float, NON_NEGATIVE] = 1.0,
+        eps: Annotated[float, POSITIVE] = 1e-6,
+    ) -> None:
         if not lam >= 0:
             raise ValueError(f"lam must be >= 0, got {lam}")
         if not eps > 0:
@@ -417,7 +454,11 @@ class AlignUniform:
     tiled_unsupported = "it works on the features, not on a similarity's logits"
 
     def __init__(
-        self, alpha: float = 2.0, t: float = 2.0, align_weight: float = 1.0, uniform_weight: float = 1.0
+        self,
+        alpha: Annotated[float, POSITIVE] = 2.0,
+        t: Annotated[float, POSITIVE] = 2.0,
+        align_weight: Annotated[float, NON_NEGATIVE] = 1.0,
+        uniform_weight: Annotated[float, NON_NEGATIVE] = 1.0,
     ) -> None:
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0, got {alpha}")
@@ -426,6 +467,10 @@ class AlignUniform:
         if not (align_weight >= 0 and uniform_weight >= 0):
             raise ValueError(
                 f"align_weight and uniform_weight must be >= 0, got {align_weight}, {uniform_weight}"
+            )
+        if align_weight == uniform_weight == 0:  # the loss would be 0 and nothing would train
+            raise ValueError(
+                "align_weight and uniform_weight are both 0, so the loss is 0; give one a weight > 0"
             )
         self.alpha, self.t = alpha, t
         self.align_weight, self.uniform_weight = align_weight, uniform_weight
@@ -470,9 +515,7 @@ def tile_kernel(meta: Mapping[str, Any], spec, size: int) -> Callable[[Tensor, T
     factors = []
     for factor in spec:
         if factor.key not in meta:
-            raise ValueError(
-                f"meta-data key {factor.key!r} required by the kernel is missing; got {sorted(meta)}"
-            )
+            raise ValueError(missing_meta(factor.key, meta))
         values = meta[factor.key]
         if len(values) != size:
             raise ValueError(f"meta[{factor.key!r}] has {len(values)} values, expected {size}")

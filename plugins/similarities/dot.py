@@ -9,9 +9,12 @@ Hand-derived case (tested): x = [[1, 0]], y = [[0.6, 0.8]], s = 10 -> logit 6.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.constraints import POSITIVE
 from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
@@ -30,14 +33,16 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
 
     def __init__(
         self,
-        init_scale: float = 1 / 0.07,
+        init_scale: Annotated[float, POSITIVE] = 1 / 0.07,
         learn_scale: bool = True,
-        max_scale: float | None = 100.0,
+        max_scale: Annotated[float | None, POSITIVE] = 100.0,
         bias: float | None = None,
     ) -> None:
         super().__init__()
         if init_scale <= 0:
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
+        if max_scale is not None and not max_scale > 0:  # its log bounds the scale: log(0) has no value
+            raise ValueError(f"max_scale must be > 0 (or null for no bound), got {max_scale}")
         register_log_value(self, "log_scale", init_scale, learnable=learn_scale, maximum=max_scale)
         self.max_scale = max_scale
         # [1], not 0-d: DeepSpeed cannot broadcast 0-d parameters (see register_log_value).

@@ -8,10 +8,12 @@ from :mod:`clipkit.plugins.similarities`.
 from __future__ import annotations
 
 import warnings
+from typing import Annotated
 
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.constraints import POSITIVE
 from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 
@@ -32,7 +34,7 @@ def hopfield_retrieval(queries: Tensor, stored: Tensor, beta: float) -> Tensor:
 class HopfieldSimilarity(nn.Module):
     """CLOOB's Hopfield-retrieval logits (METHODS §4); plain scaled cosine in evaluation.
 
-    beta:        Hopfield inverse temperature β ≥ 0 (seed 001: 8 on CC, 14.3 on YFCC; the
+    beta:        Hopfield inverse temperature β > 0 (seed 001: 8 on CC, 14.3 on YFCC; the
                  official code's default is 14.3, §11).
     inverse_tau: 1/τ > 0, the logits' scale (seed 001: 30, fixed; code default 14.3, §11).
     learn_scale: learn log(1/τ) (clamped to ≤ 100 in the forward pass, as CLIP's scale);
@@ -58,10 +60,16 @@ class HopfieldSimilarity(nn.Module):
     #: retrieved embedding is a softmax over all stored patterns), so a tile cannot be scored alone.
     tiled_unsupported = "its logits depend on the whole batch (Hopfield retrieval over all stored patterns)"
 
-    def __init__(self, beta: float = 8.0, inverse_tau: float = 30.0, learn_scale: bool = False) -> None:
+    def __init__(
+        self,
+        beta: Annotated[float, POSITIVE] = 8.0,
+        inverse_tau: Annotated[float, POSITIVE] = 30.0,
+        learn_scale: bool = False,
+    ) -> None:
         super().__init__()
-        if beta < 0:
-            raise ValueError(f"beta (Hopfield inverse temperature) must be >= 0, got {beta}")
+        if not beta > 0:
+            # β = 0 retrieves the batch mean for every query: all logits equal, the loss constant.
+            raise ValueError(f"beta (Hopfield inverse temperature) must be > 0, got {beta}")
         if inverse_tau <= 0:
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.beta = float(beta)

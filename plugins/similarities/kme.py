@@ -35,12 +35,14 @@ s = log(1·e^0 + 3·e^{−2}) = log(1 + 3e^{−2}).
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.config.constraints import POSITIVE, OneOf
 from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
 
@@ -440,12 +442,12 @@ class KMESimilarity(nn.Module):
 
     def __init__(
         self,
-        init_gamma: float = 1 / 0.07,
+        init_gamma: Annotated[float, POSITIVE] = 1 / 0.07,
         learn_gamma: bool = True,
-        max_gamma: float | None = 100.0,
-        block_size: int | None = None,
-        implementation: str = "auto",
-        matmul_dtype: str = "float32",
+        max_gamma: Annotated[float | None, POSITIVE] = 100.0,
+        block_size: Annotated[int | None, POSITIVE] = None,
+        implementation: Annotated[str, OneOf(IMPLEMENTATIONS)] = "auto",
+        matmul_dtype: Annotated[str, OneOf(tuple(MATMUL_DTYPES))] = "float32",
     ) -> None:
         super().__init__()
         if matmul_dtype not in MATMUL_DTYPES:

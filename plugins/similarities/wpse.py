@@ -20,11 +20,14 @@ z(u) = (cos π/3, cos π) = (½, −1), z(v) = (cos 0, cos(π/3 + π)) = (1, −
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from clipkit.config.constraints import NON_NEGATIVE, POSITIVE, Numbers, OneOf
 from clipkit.contract.types import Logits, PointSet
 from clipkit.plugins.similarities.dot import DotSimilarity
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
@@ -33,6 +36,20 @@ KERNELS = ("gaussian", "imq")
 
 #: Seed of the features drawn when no generator is given (evaluation must be deterministic).
 DEFAULT_FEATURE_SEED = 0
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """The constraint on WPSE's ``alpha`` that ``clipkit validate`` checks: null (the default
+    weights) or [α1, α2], both ≥ 0 and not both 0 (a zero kernel scores every pair alike)."""
+
+    def problem(self, value: Any) -> str | None:
+        if value is None:
+            return None
+        problem = Numbers(2, NON_NEGATIVE).problem(value)
+        if problem is None and not any(value):
+            return f"must not be all zero (no kernel left), got {list(value)}"
+        return problem
 
 
 def _logit_scale(init_scale: float, learn_scale: bool, max_scale: float | None) -> DotSimilarity:
@@ -66,14 +83,14 @@ class WPSESimilarity(ScaledEmbeddingTiles, nn.Module):
     def __init__(
         self,
         embed_dim: int,
-        kernel: str = "gaussian",
-        alpha: list | None = None,
-        sigma: float = 0.3,
-        c: float = 0.5,
-        num_features: int = 512,
-        init_scale: float = 1 / 0.07,
+        kernel: Annotated[str, OneOf(KERNELS)] = "gaussian",
+        alpha: Annotated[list | None, KernelWeights()] = None,
+        sigma: Annotated[float, POSITIVE] = 0.3,
+        c: Annotated[float, POSITIVE] = 0.5,
+        num_features: Annotated[int, POSITIVE] = 512,
+        init_scale: Annotated[float, POSITIVE] = 1 / 0.07,
         learn_scale: bool = True,
-        max_scale: float | None = 100.0,
+        max_scale: Annotated[float | None, POSITIVE] = 100.0,
     ) -> None:
         super().__init__()
         alpha = [0.5, 0.5] if alpha is None else list(alpha)
@@ -275,7 +292,10 @@ class CosineMeanSimilarity(ScaledEmbeddingTiles, nn.Module):
     compiles = True
 
     def __init__(
-        self, init_scale: float = 1 / 0.07, learn_scale: bool = True, max_scale: float | None = 100.0
+        self,
+        init_scale: Annotated[float, POSITIVE] = 1 / 0.07,
+        learn_scale: bool = True,
+        max_scale: Annotated[float | None, POSITIVE] = 100.0,
     ) -> None:
         super().__init__()
         self.logit_scale = _logit_scale(init_scale, learn_scale, max_scale)
@@ -319,8 +339,8 @@ def _validate(embed_dim: int, kernel: str, alpha: list, sigma: float, c: float, 
         raise ValueError(f"embed_dim must be > 0, got {embed_dim}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if len(alpha) != 2:
-        raise ValueError(f"alpha must be [alpha1, alpha2], got {alpha}")
+    if len(alpha) != 2 or not all(isinstance(a, int | float) and not isinstance(a, bool) for a in alpha):
+        raise ValueError(f"alpha must be [alpha1, alpha2], two numbers, got {alpha}")
     if min(alpha) < 0 or max(alpha) <= 0:
         raise ValueError(f"alpha must be >= 0 and not all zero, got {alpha}")
     if sigma <= 0:
