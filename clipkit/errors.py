@@ -51,6 +51,12 @@ class SlotArgumentError(ClipkitError, ValueError):
     the slot); still a ValueError for code that catches the factory's own."""
 
 
+class BatchRefusedError(ClipkitError, ValueError):
+    """A loss or similarity refused a training batch (its ValueError, named with the plugin): e.g.
+    meta-data its kernel reads that the batch does not carry; still a ValueError for code that
+    catches the plugin's own."""
+
+
 class DataError(ClipkitError):
     """Bad input data; the message names the file, key or sample."""
 

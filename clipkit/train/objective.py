@@ -17,6 +17,7 @@ an objective and a batch alone::
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from torch import nn
 
 from clipkit.contract.built import check_logits, check_loss_output, plugin_label
 from clipkit.contract.types import Logits, Loss, LossContext, LossOutput, PointSet, optional_member
+from clipkit.errors import BatchRefusedError, ClipkitError
 from clipkit.tiled.settings import Decision, Tiling, decide
 from clipkit.train.bounds import Bound, bounded_parameters
 from clipkit.train.distill import Distillation
@@ -70,7 +72,22 @@ class Objective:
         Global loss (default): every process scores the whole gathered batch. Local loss
         (``train.distributed.local_loss``): this process's anchors against all candidates; DDP's
         gradient averaging turns the mean of the local losses into the full-batch loss.
+
+        A plugin's ValueError on the batch (the loss's kernel naming meta-data the batch lacks, say)
+        is its refusal, as a factory's ValueError is of its arguments: one line naming the plugin
+        (:func:`batch_refusal`), not a traceback from deep inside the step.
         """
+        try:
+            return self.score_batch(local_a, local_b, batch, step=step, epoch=epoch)
+        except ClipkitError:
+            raise
+        except ValueError as error:
+            raise batch_refusal(error, self.loss, self.similarity) from error
+
+    def score_batch(
+        self, local_a: PointSet, local_b: PointSet, batch: dict, *, step: int, epoch: float
+    ) -> LossOutput:
+        """What :meth:`__call__` returns, with the plugins' ValueErrors as they raised them."""
         rt = self.runtime
         if self.tile_size is not None:  # train.tiled: never materialise the N×N logits (fp32)
             a, b = rt.gather(local_a), rt.gather(local_b)  # global batch
@@ -195,6 +212,21 @@ class Objective:
         if "meta" in self.requires:
             fields["meta"] = {key: rt.gather_list(list(values)) for key, values in batch["meta"].items()}
         return fields
+
+
+def batch_refusal(error: ValueError, loss: Loss, similarity: nn.Module) -> BatchRefusedError:
+    """``error``, raised while scoring a batch, as one line naming the plugin whose module raised it
+    (the loss, else the similarity; both when neither module is on the traceback)."""
+    raisers = {
+        traceback_frame.f_code.co_filename for traceback_frame, _ in traceback.walk_tb(error.__traceback__)
+    }
+    named = [
+        plugin_label(kind, plugin)
+        for kind, plugin in (("loss", loss), ("similarity", similarity))
+        if getattr(sys.modules.get(type(plugin).__module__), "__file__", None) in raisers
+    ]
+    who = named[0] if named else f"{plugin_label('similarity', similarity)} or {plugin_label('loss', loss)}"
+    return BatchRefusedError(f"{who} refused the batch: {error}")
 
 
 def in_fp32(logits: Logits) -> Logits:
