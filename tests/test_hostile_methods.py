@@ -196,3 +196,46 @@ def test_a_similarity_refusing_the_batch_is_named_as_the_similarity():
         BatchRefusedError, match=r"^the similarity .*RefusingSimilarity refused the batch: points"
     ):
         objective(points, points, {"meta": {}}, step=0, epoch=0.0)
+
+
+# ----------------------------------------------------------------------------- one τ, two slots
+
+# NUCLR/SogCLR read the logits as e/τ with their own τ (Σ = τ·L), CLOOB multiplies by its own τ: an
+# override of one slot's temperature trained another objective without a word.
+SHARED_TAU_REFUSED = [
+    ("nuclr@tiny", ["similarity.init_scale=50"], "loss.tau=0.01 needs logits scaled by 1/τ = 100"),
+    ("nuclr@tiny", ["loss.tau=0.02"], "the similarity (DotSimilarity) scales them by 100"),
+    ("nuclr@tiny", ["loss={name: sogclr, tau: 0.02}"], "loss.tau=0.02 needs logits scaled by 1/τ = 50"),
+    ("nuclr@tiny", ["similarity.learn_scale=true"], "needs a fixed logit scale 1/τ, but the similarity"),
+    ("nuclr@tiny", ["similarity.bias=0"], "learns bias"),
+    ("cloob@tiny", ["loss.inverse_tau=10"], "loss.inverse_tau=10 needs logits scaled by 1/τ = 10"),
+    ("cloob@tiny", ["similarity.inverse_tau=10"], "(HopfieldSimilarity) scales them by 10"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides", "message"), SHARED_TAU_REFUSED, ids=[" ".join(r[1]) for r in SHARED_TAU_REFUSED]
+)
+def test_a_temperature_the_loss_and_similarity_share_is_refused_when_they_differ(
+    registry, spec, overrides, message
+):
+    recipe = load_recipe(spec, overrides, registry=registry)
+    model = build_model(recipe, registry)
+    with pytest.raises(ClipkitError, match=r"^loss: ") as refused:
+        build_objective(recipe, registry, model, num_samples=64)
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides"),
+    [
+        ("nuclr@tiny", ["loss.tau=0.02", "similarity.init_scale=50"]),
+        ("cloob@tiny", ["loss.inverse_tau=14.3", "similarity.inverse_tau=14.3"]),  # the official code's
+        ("cloob@tiny", ["similarity.learn_scale=true"]),  # starts at the loss's 1/τ (METHODS §4 allows it)
+        ("cloob@tiny", ["loss={name: infonce}"]),  # the infonce_hopfield ablation: no τ of its own
+    ],
+)
+def test_a_shared_temperature_set_in_both_slots_is_accepted(registry, spec, overrides):
+    recipe = load_recipe(spec, overrides, registry=registry)
+    assert validate(recipe, registry) == []
+    build_objective(recipe, registry, build_model(recipe, registry), num_samples=64)

@@ -379,6 +379,9 @@ class Loss(Protocol):
             reductions use the named terms of :mod:`clipkit.tiled.terms`; :mod:`clipkit.tiled.fused`).
         parameter_bounds() -> dict — as for a Similarity: learnable loss parameters kept in bounds
             after every optimiser step.
+        similarity_refusal(similarity) -> str | None — why the loss cannot read this similarity's
+            logits (None: it can), e.g. a temperature the two slots must share set differently;
+            asked once the objective is built, the reason refused in one line.
     """
 
     requires: frozenset[str]
@@ -438,6 +441,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {
     "fused_form": None,  # Similarity: () -> clipkit.tiled.fused.AffineDot | None (fused kernels)
     "fused_reductions": False,  # Loss: its tiled_loss may run in the fused kernels
     "parameter_bounds": None,  # any module of a Similarity or Loss: clamped after each optimiser step
+    "similarity_refusal": None,  # Loss: (similarity) -> str | None, asked when the objective is built
     "projection_module_name": None,  # Encoder
     "sharding_blocks": None,  # Encoder: FSDP2's units (clipkit.train.runtime.wrapping)
     # Encoder *factory* (read by recipe validation, before anything is built): the tokenizer slot a

@@ -347,3 +347,7 @@ def check_loss_fits_runtime(loss: Loss, similarity: nn.Module, runtime: Runtime)
                 f"train.distributed.local_loss: the similarity {type(similarity).__name__} is not pairwise "
                 f"(its logits depend on the whole batch); set local_loss: false"
             )
+    refuse_similarity = optional_member(loss, "similarity_refusal")
+    why = refuse_similarity(similarity) if callable(refuse_similarity) else None
+    if why:  # e.g. NUCLR's τ against the similarity's scale: another objective, silently
+        raise ClipkitError(f"loss: {why}")

@@ -126,6 +126,13 @@ class CLOOBLoss:
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.tau = 1.0 / inverse_tau
 
+    def similarity_refusal(self, similarity: torch.nn.Module) -> str | None:
+        """Why ``similarity`` does not start at this loss's 1/τ (the two must be equal, METHODS §4),
+        or None. A learnable 1/τ may move afterwards: the loss keeps its constant, as documented."""
+        from clipkit.plugins.similarities.temperature import scale_refusal
+
+        return scale_refusal(similarity, 1.0 / self.tau, f"loss.inverse_tau={1.0 / self.tau:g}", fixed=False)
+
     def __call__(self, logits: Logits, targets: Tensor, ctx: LossContext) -> LossOutput:
         image_to_text, text_to_image = _directions(logits, targets)
         loss = self.tau * (image_to_text + text_to_image)

@@ -324,6 +324,13 @@ class CompositionalContrastive(nn.Module):
             self.register_buffer("xi", torch.full((2,), max(float(xi_init), float(zeta_init))))
             self.register_buffer("xi_epoch", torch.zeros((), dtype=torch.long))
 
+    def similarity_refusal(self, similarity: nn.Module) -> str | None:
+        """Why ``similarity``'s logits are not e/τ for this loss's τ (a fixed ``dot`` scale 1/τ, module
+        docstring), or None: with another scale, or a learnt one, Σ = τ·L is another objective."""
+        from clipkit.plugins.similarities.temperature import scale_refusal
+
+        return scale_refusal(similarity, 1.0 / self.tau, f"loss.tau={self.tau:g}", fixed=True)
+
     @property
     def u(self) -> Tensor:
         """[2, n] u = exp(log u) in float64 (for inspection; the state is ``log_u``)."""

@@ -56,3 +56,32 @@ def log_bounds(
     if maximum is None or not isinstance(getattr(module, name), nn.Parameter):
         return {}
     return {name: (None, math.log(maximum))}
+
+
+def scale_refusal(similarity: nn.Module, inverse_tau: float, loss_key: str, *, fixed: bool) -> str | None:
+    """Why ``similarity``'s logits are not scaled by 1/τ = ``inverse_tau``, the temperature a loss
+    assumes (its argument ``loss_key``), or — with ``fixed`` — may leave it while training (a learnt
+    scale or bias); None when they are, or when the similarity has no ``scale()`` to compare.
+
+    A loss that folds τ into its own formula (NUCLR's Σ = τ·L, CLOOB's factor τ) reads another
+    objective, silently, when the two slots disagree, e.g. after a recipe override of one of them.
+    """
+    scale = getattr(similarity, "scale", None)
+    if not callable(scale):
+        return None
+    value = float(scale().detach())
+    name = type(similarity).__name__
+    if not math.isclose(value, inverse_tau, rel_tol=1e-4):
+        return (
+            f"{loss_key} needs logits scaled by 1/τ = {inverse_tau:g}, but the similarity ({name}) scales "
+            f"them by {value:g}: the two must share one τ; set the similarity's scale "
+            f"(similarity.init_scale, or similarity.inverse_tau for hopfield, not clipped by max_scale) "
+            f"to {inverse_tau:g}, or the loss's τ to match it"
+        )
+    learned = sorted(name for name, parameter in similarity.named_parameters() if parameter.requires_grad)
+    if fixed and learned:
+        return (
+            f"{loss_key} needs a fixed logit scale 1/τ, but the similarity ({name}) learns "
+            f"{', '.join(learned)}; set similarity.learn_scale=false (and no bias)"
+        )
+    return None
