@@ -34,7 +34,10 @@ DOCS = [
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 
 #: Variables a shell block may read without setting them, with where they are set.
-SET_ELSEWHERE = {"R": "docs/distillation.md sets R=docs/distill-fashion-mnist.yaml in the prose above"}
+SET_ELSEWHERE = {
+    "R": "docs/distillation.md sets R=docs/distill-fashion-mnist.yaml in the prose above",
+    "HOME": "the shell",
+}
 
 
 def blocks(path: Path, languages: tuple[str, ...]) -> list[tuple[int, str]]:
@@ -100,6 +103,18 @@ def test_shell_blocks_set_every_variable_they_read():
         for name in sorted(shell_reads_unset_variables(block))
     ]
     assert not unset, "shell blocks read variables they never set: " + "; ".join(unset)
+
+
+def test_shell_blocks_put_a_tilde_only_where_the_shell_expands_it():
+    """`--data wds:~/cb` reaches clipkit as a literal `~` (the shell expands one only at a word's
+    start), and the sources do not expand it."""
+    literal = [
+        f"{path.name}:{line}"
+        for path in DOCS
+        for line, block in blocks(path, ("bash", "sh", "shell"))
+        if re.search(r"[^\s=\"']~/", block)
+    ]
+    assert not literal, "a ~ the shell leaves as it is: " + "; ".join(literal)
 
 
 def test_the_variable_check_catches_a_placeholder():
