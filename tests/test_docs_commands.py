@@ -127,7 +127,7 @@ def clipkit_imports() -> list[str]:
     """Every ``import clipkit...`` / ``from clipkit... import ...`` statement in the docs' Python
     blocks and inline code."""
     statements = []
-    statement = r"(?:from clipkit[\w.]* import [\w, ]+)|(?:import clipkit[\w.]*)"
+    statement = r"(?:from clipkit(?:\.\w+)* import [\w, ]+)|(?:import clipkit(?:\.\w+)*)"
     pattern = re.compile(rf"^\s*({statement})\s*(?:#.*)?$")
     for path in DOCS:
         for _, block in blocks(path, ("python",)):
