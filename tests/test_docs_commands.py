@@ -12,6 +12,7 @@ written, in a fresh folder):
 - every ``clipkit`` import the docs show imports without a DeprecationWarning (no moved path);
 - README's recipe table lists every variant ``clipkit recipes`` lists;
 - the PMI-fidelity table in docs/evaluation.md has the columns the command writes.
+- docs/recipes.md's schema shows every host setting (it lacked `train.tiled`, `data.holdout_by`, ...).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,41 @@ def test_the_pmi_table_in_the_docs_has_the_reports_columns():
 @pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
 def test_the_audited_docs_exist(path):
     assert path.is_file()
+
+
+def host_settings() -> set[str]:
+    """Dotted names of every host setting (the section dataclasses, nested ones included)."""
+    import dataclasses
+
+    from clipkit.config.recipe import SECTIONS
+
+    def names(cls, prefix: str) -> set[str]:
+        found = set()
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for field in dataclasses.fields(cls):
+            found.add(prefix + field.name)
+            hint = hints[field.name]
+            base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+            if dataclasses.is_dataclass(base):
+                found |= names(base, f"{prefix}{field.name}.")
+        return found
+
+    return set().union(*(names(cls, f"{section}.") for section, cls in SECTIONS.items()))
+
+
+def test_the_recipe_schema_in_the_docs_shows_every_host_setting():
+    import yaml
+
+    text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
+    schema = yaml.safe_load(re.search(r"## Schema\n\n```yaml\n(.*?)```", text, flags=re.S).group(1))
+
+    def keys(mapping: dict, prefix: str) -> set[str]:
+        found = set()
+        for key, value in mapping.items():
+            found.add(prefix + key)
+            if isinstance(value, dict) and value:
+                found |= keys(value, f"{prefix}{key}.")
+        return found
+
+    shown = set().union(*(keys(schema[section], f"{section}.") for section in ("data", "model", "train")))
+    assert not host_settings() - shown, f"settings the schema leaves out: {sorted(host_settings() - shown)}"
