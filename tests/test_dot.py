@@ -23,8 +23,8 @@ def test_hand_derived_logit():
 
 def test_clip_init_and_clamp():
     assert DotSimilarity().scale().item() == pytest.approx(1 / 0.07, rel=1e-6)
-    similarity = DotSimilarity(init_scale=500.0, max_scale=100.0)
-    assert similarity.scale().item() == pytest.approx(100.0)  # the start is clamped to the bound
+    similarity = DotSimilarity(init_scale=100.0, max_scale=100.0)  # a start above it is refused
+    assert similarity.scale().item() == pytest.approx(100.0)
     assert similarity.parameter_bounds() == {"log_scale": (None, pytest.approx(math.log(100.0)))}
     similarity(unit([1.0, 0.0]), unit([1.0, 0.0])).i2t.sum().backward()
     # At the bound the gradient flows, d(s·1)/dt = s (open_clip clamps the parameter after the step).

@@ -308,7 +308,7 @@ def test_never_saves_or_materialises_the_full_score_tensor():
 
 def test_gamma_init_clamp_and_learnability():
     assert KMESimilarity().gamma().item() == pytest.approx(1 / 0.07, rel=1e-6)
-    clamped = KMESimilarity(init_gamma=500.0, max_gamma=100.0)
+    clamped = KMESimilarity(init_gamma=100.0, max_gamma=100.0)  # a start above the bound is refused
     assert clamped.gamma().item() == pytest.approx(100.0)
     assert clamped.metrics() == {"gamma": pytest.approx(100.0)}
     a = random_set(2, 2, 3, weighted=False, masked=False, seed=13, dtype=torch.float32)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from clipkit.config.constraints import POSITIVE
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, check_start, log_bounds, register_log_value
 from clipkit.plugins.similarities.tiles import ScaledEmbeddingTiles
 
 
@@ -43,6 +43,7 @@ class DotSimilarity(ScaledEmbeddingTiles, nn.Module):
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
         if max_scale is not None and not max_scale > 0:  # its log bounds the scale: log(0) has no value
             raise ValueError(f"max_scale must be > 0 (or null for no bound), got {max_scale}")
+        check_start("init_scale", init_scale, "max_scale", max_scale)
         register_log_value(self, "log_scale", init_scale, learnable=learn_scale, maximum=max_scale)
         self.max_scale = max_scale
         # [1], not 0-d: DeepSpeed cannot broadcast 0-d parameters (see register_log_value).

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from clipkit.config.constraints import POSITIVE
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, check_start, log_bounds, register_log_value
 
 #: CLIP's bound on a learnable logit scale, applied to a learnable 1/τ.
 MAX_LEARNED_INVERSE_TAU = 100.0
@@ -74,6 +74,14 @@ class HopfieldSimilarity(nn.Module):
             raise ValueError(f"inverse_tau (1/τ) must be > 0, got {inverse_tau}")
         self.beta = float(beta)
         self.learn_scale = learn_scale
+        # A learned 1/τ is bounded as CLIP's scale (100): a larger start would be clamped unseen.
+        check_start(
+            "inverse_tau",
+            inverse_tau,
+            "the bound of a learned inverse_tau",
+            self.maximum(),
+            "lower inverse_tau, or set learn_scale=false (a fixed 1/τ has no bound)",
+        )
         register_log_value(
             self, "log_inverse_tau", inverse_tau, learnable=learn_scale, maximum=self.maximum()
         )

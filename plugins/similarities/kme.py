@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from clipkit.config.constraints import POSITIVE, OneOf
 from clipkit.contract.types import Logits, PointSet
-from clipkit.plugins.similarities.temperature import bounded_exp, log_bounds, register_log_value
+from clipkit.plugins.similarities.temperature import bounded_exp, check_start, log_bounds, register_log_value
 
 
 def log_weights(x: PointSet, dtype: torch.dtype) -> Tensor:
@@ -460,6 +460,7 @@ class KMESimilarity(nn.Module):
             raise ValueError(f"block_size must be a positive integer or None, got {block_size}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        check_start("init_gamma", init_gamma, "max_gamma", max_gamma)
         register_log_value(self, "log_gamma", init_gamma, learnable=learn_gamma, maximum=max_gamma)
         self.max_gamma = max_gamma
         self.block_size = None if block_size is None else int(block_size)

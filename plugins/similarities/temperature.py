@@ -19,6 +19,28 @@ import math
 import torch
 from torch import Tensor, nn
 
+#: How far (relative) a start may exceed its bound and still be read as *at* the bound: a scale read
+#: back from a checkpoint clamped at 100 (`clipkit convert`) is exp of a rounded log 100: 100.0000064
+#: from fp32, 100.03 from fp16 (OpenAI's released weights), up to 102 from a bf16 rounded up.
+START_TOLERANCE = 0.03
+
+
+def check_start(
+    name: str, value: float, bound_name: str, maximum: float | None, fix: str | None = None
+) -> None:
+    """Refuse a start ``value`` above its ``maximum`` (one-line ValueError naming both, and ``fix``).
+
+    :func:`register_log_value` would store min(value, maximum): the run would start at the bound, not
+    at the value the recipe asked for, and say nothing (``similarity.init_scale=200`` with CLIP's
+    ``max_scale`` 100 trained at 100).
+    """
+    if maximum is not None and value > maximum * (1 + START_TOLERANCE):
+        fix = fix or f"raise {bound_name} (null: no bound) or lower {name}"
+        raise ValueError(
+            f"{name} ({value:g}) must be <= {bound_name} ({maximum:g}): the value would start clamped "
+            f"to {maximum:g}, unseen; {fix}"
+        )
+
 
 def register_log_value(
     module: nn.Module, name: str, value: float, *, learnable: bool, maximum: float | None = None

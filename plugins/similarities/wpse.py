@@ -52,6 +52,28 @@ class KernelWeights:
         return problem
 
 
+#: The narrowest kernel (σ, or the IMQ's c) the random features can represent. The frequencies ω
+#: scale as 1/width and the features are cos(x·ω + β) in fp32: at width 1e-6 the phases reach 10^6
+#: rad, where fp32 keeps 1/16 rad of them, narrower they are noise, and below ~1e-19 (c) or ~1e-38
+#: (σ) ω overflows to inf and every loss is NaN. The papers use 0.3 to 0.5.
+MIN_KERNEL_WIDTH = 1e-6
+
+
+@dataclass(frozen=True)
+class KernelWidth:
+    """The constraint on WPSE's ``sigma`` and ``c`` that ``clipkit validate`` checks: > 0, and at
+    least :data:`MIN_KERNEL_WIDTH` (a narrower kernel's random features overflow fp32: a NaN run)."""
+
+    def problem(self, value: Any) -> str | None:
+        problem = POSITIVE.problem(value)
+        if problem is None and isinstance(value, int | float) and 0 < value < MIN_KERNEL_WIDTH:
+            return (
+                f"must be >= {MIN_KERNEL_WIDTH:g} (narrower, the random features cos(x·ω + β) "
+                f"lose their phase in fp32, then overflow to NaN), got {value!r}"
+            )
+        return problem
+
+
 def _logit_scale(init_scale: float, learn_scale: bool, max_scale: float | None) -> DotSimilarity:
     """The learnable, clamped s = exp(t) of CLIP (METHODS §1), reused from ``dot``: a
     ``DotSimilarity`` without bias holds exactly that parameter and its ``scale()`` clamp."""
@@ -64,8 +86,8 @@ class WPSESimilarity(ScaledEmbeddingTiles, nn.Module):
     embed_dim:    d, the dimension of the points (passed by the host; ω is [d, D]).
     kernel:       "gaussian" k̃ = exp(−‖u−v‖²/(2σ²)) or "imq" k̃ = c/sqrt(c² + ‖u−v‖²).
     alpha:        [α1, α2] ≥ 0, not both 0 (default [0.5, 0.5]; recipes use (0.75, 0.25), (0.25, 0.75)).
-    sigma:        Gaussian bandwidth σ > 0 (paper 0.3; the authors' code 0.5, §11).
-    c:            IMQ scale c > 0.
+    sigma:        Gaussian bandwidth σ ≥ 1e-6 (paper 0.3; the authors' code 0.5, §11).
+    c:            IMQ scale c ≥ 1e-6 (narrower kernels overflow the random features: NaN).
     num_features: D, the number of random Fourier features (training 512).
     init_scale, learn_scale, max_scale: the logit scale s, as ``dot`` (CLIP: 1/0.07, learnable, ≤ 100).
 
@@ -85,8 +107,8 @@ class WPSESimilarity(ScaledEmbeddingTiles, nn.Module):
         embed_dim: int,
         kernel: Annotated[str, OneOf(KERNELS)] = "gaussian",
         alpha: Annotated[list | None, KernelWeights()] = None,
-        sigma: Annotated[float, POSITIVE] = 0.3,
-        c: Annotated[float, POSITIVE] = 0.5,
+        sigma: Annotated[float, KernelWidth()] = 0.3,
+        c: Annotated[float, KernelWidth()] = 0.5,
         num_features: Annotated[int, POSITIVE] = 512,
         init_scale: Annotated[float, POSITIVE] = 1 / 0.07,
         learn_scale: bool = True,
@@ -347,5 +369,8 @@ def _validate(embed_dim: int, kernel: str, alpha: list, sigma: float, c: float, 
         raise ValueError(f"sigma must be > 0, got {sigma}")
     if c <= 0:
         raise ValueError(f"c must be > 0, got {c}")
+    for name, width in (("sigma", sigma), ("c", c)):  # the Python API: what validate says of a recipe
+        if width < MIN_KERNEL_WIDTH:
+            raise ValueError(f"{name} must be >= {MIN_KERNEL_WIDTH:g} (the features overflow), got {width}")
     if num_features <= 0:
         raise ValueError(f"num_features must be > 0, got {num_features}")
