@@ -112,3 +112,51 @@ def test_the_narrowest_accepted_wpse_kernel_scores_finitely(registry, overrides)
     )
     logits = similarity(points, points, generator=torch.Generator().manual_seed(1)).i2t
     assert torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------------ transformer tower sizes
+
+# Each validated before and was refused only when `train` built the tower; now at `clipkit validate`
+# (a preset such as vit_tiny carries its class's declared ranges). One size against another (width
+# by heads, image_size by patch_size) is still the factory's one line when the tower is built.
+VIT, TEXT = "model.image_encoder", "model.text_encoder"
+TOWER_SIZES = [
+    ("clip@tiny", f"{VIT}={{name: vit_tiny, layers: 0}}", f"{VIT}.layers: must be > 0"),
+    ("clip@tiny", f"{VIT}={{name: vit_tiny, heads: 0}}", f"{VIT}.heads: must be > 0"),
+    ("clip@tiny", f"{VIT}={{name: vit_tiny, width: 0}}", f"{VIT}.width: must be > 0"),
+    ("clip@tiny", f"{VIT}={{name: vit_tiny, patch_size: 0}}", f"{VIT}.patch_size: must be > 0"),
+    ("clip@tiny", f"{VIT}={{name: vit_tiny, output: pooled}}", f"{VIT}.output: must be one of cls, tokens"),
+    (
+        "clip@tiny",
+        f"{VIT}={{name: vit, width: 64, layers: 1, heads: 2, patch_size: 8, mlp_ratio: 0}}",
+        f"{VIT}.mlp_ratio: must be > 0",
+    ),
+    ("clip@tiny", f"{TEXT}={{name: text_transformer_tiny, layers: -1}}", f"{TEXT}.layers: must be > 0"),
+    ("clip@tiny", f"{TEXT}={{name: text_transformer_tiny, output: cls}}", f"{TEXT}.output: must be one of"),
+    ("kme_clip@tiny", f"{VIT}.weights=relu", f"{VIT}.weights: must be one of None, softplus, scaled_tanh"),
+    ("kme_clip@tiny", f"{VIT}.weight_scale=0", f"{VIT}.weight_scale: must be > 0"),
+    ("kme_clip@tiny", f"{TEXT}.pad_points=maybe", f"{TEXT}.pad_points: must be one of mask, include"),
+]
+
+
+@pytest.mark.parametrize(("spec", "override", "message"), TOWER_SIZES, ids=[case[1] for case in TOWER_SIZES])
+def test_validate_refuses_a_transformer_tower_size_naming_its_key(registry, spec, override, message):
+    errors = validate(load_recipe(spec, [override], registry=registry), registry)
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize("tower", ["image", "text"])
+def test_a_kme_weight_head_is_switched_off_with_null(registry, tower):
+    """`weights=null` reached the factory as '' (a text setting cleared) and was refused."""
+    from clipkit.model import build_model
+
+    recipe = load_recipe("kme_clip@tiny", [f"model.{tower}_encoder.weights=null"], registry=registry)
+    assert recipe["model"][f"{tower}_encoder"]["weights"] is None
+    assert validate(recipe, registry) == []
+    model = build_model(recipe, registry)
+    assert getattr(model, f"{tower}_encoder").weight_head is None
+
+
+def test_null_still_clears_a_text_host_setting(registry):
+    recipe = load_recipe("clip@tiny", ["data.source=null"], registry=registry)
+    assert recipe["data"]["source"] == ""

@@ -478,8 +478,11 @@ def apply_override(config, key: str, value: Any) -> None:
         if current is None or current.get("name") != value["name"]:
             OmegaConf.update(config, key, value, merge=False)
             return
-    if value is None and isinstance(OmegaConf.select(config, key, default=None), str):
-        value = ""  # `data.source=` clears a text setting (YAML would read it as null)
+    in_slot = any(key.startswith(f"{path}.") for path in slot_paths)
+    if value is None and isinstance(OmegaConf.select(config, key, default=None), str) and not in_slot:
+        # `data.source=` clears a text setting (YAML would read it as null). A plugin's argument
+        # keeps null: its factory's "unset" (`model.image_encoder.weights=null`: no weight head).
+        value = ""
     if isinstance(value, dict) and not value:
         # `train.ema={}` empties the mapping (switches the feature off); merged, it changed nothing.
         OmegaConf.update(config, key, value, merge=False, force_add=True)

@@ -180,8 +180,10 @@ def preset(factory: Callable, doc: str, *, fixed: dict[str, Any] | None = None, 
         return factory(**{**defaults, **kwargs, **fixed})
 
     target = factory.__init__ if inspect.isclass(factory) else factory
-    try:  # resolved now, so recipe validation type-checks a preset's values like the factory's
-        build.__annotations__ = {k: v for k, v in typing.get_type_hints(target).items() if k not in fixed}
+    try:  # resolved now, so recipe validation type-checks a preset's values like the factory's, and
+        # with their Annotated ranges (include_extras), so `clipkit validate` checks those too
+        hints = typing.get_type_hints(target, include_extras=True)
+        build.__annotations__ = {k: v for k, v in hints.items() if k not in fixed}
     except Exception:  # unresolvable annotations: validation then skips type checks, as for any factory
         build.__annotations__ = {}
     returns = factory if inspect.isclass(factory) else signature.return_annotation

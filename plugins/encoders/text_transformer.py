@@ -10,16 +10,29 @@ The residual blocks are :class:`clipkit.plugins.encoders.vit.Transformer`'s, wit
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import Tensor, nn
 
+from clipkit.config.constraints import OneOf
 from clipkit.contract.registry import preset
 from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
 
 # Relative (= clipkit.plugins.encoders.vit): plugins/ installs as clipkit.plugins, which ruff's isort
 # cannot see from the source tree.
-from .vit import WEIGHT_HEADS, LayerNorm, Transformer, TransformerTower, check_positive, point_set
+from .vit import (
+    RATIO,
+    SIZE,
+    WEIGHT_HEAD,
+    WEIGHT_HEADS,
+    LayerNorm,
+    Transformer,
+    TransformerTower,
+    check_positive,
+    point_set,
+)
 
 OUTPUTS = ("eos", "tokens")
 PAD_POINTS = ("mask", "include")
@@ -51,14 +64,14 @@ class TextTransformer(TransformerTower):
         embed_dim: int,
         vocab_size: int,
         context_length: int,
-        width: int,
-        layers: int,
-        heads: int,
-        mlp_ratio: float = 4.0,
-        output: str = "eos",
-        pad_points: str = "mask",
-        weights: str | None = None,
-        weight_scale: float = 1.0,
+        width: SIZE,
+        layers: SIZE,
+        heads: SIZE,
+        mlp_ratio: RATIO = 4.0,
+        output: Annotated[str, OneOf(OUTPUTS)] = "eos",
+        pad_points: Annotated[str, OneOf(PAD_POINTS)] = "mask",
+        weights: WEIGHT_HEAD = None,
+        weight_scale: RATIO = 1.0,
         grad_checkpointing: bool = False,
         quick_gelu: bool = False,
     ) -> None:

@@ -12,11 +12,14 @@ Point-set options shared with the text tower (KME-CLIP and WPSE, METHODS §2, §
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from clipkit.config.constraints import POSITIVE, OneOf
 from clipkit.contract.registry import preset
 from clipkit.contract.types import PointSet
 from clipkit.errors import check_choice
@@ -25,6 +28,12 @@ OUTPUTS = ("cls", "tokens")
 
 #: Per-point weight heads (None = no weights: uniform 1/M).
 WEIGHT_HEADS = (None, "softplus", "scaled_tanh")
+
+# Sizes and choices `clipkit validate` checks (docs/plugins.md, "Declaring ranges"); one argument
+# against another (width by heads, image_size by patch_size, num_points) stays the factory's.
+SIZE = Annotated[int, POSITIVE]
+RATIO = Annotated[float, POSITIVE]
+WEIGHT_HEAD = Annotated[str | None, OneOf(WEIGHT_HEADS)]
 
 
 def check_positive(**values: float) -> None:
@@ -270,15 +279,15 @@ class VisionTransformer(TransformerTower):
         *,
         embed_dim: int,
         image_size: int,
-        patch_size: int,
-        width: int,
-        layers: int,
-        heads: int,
-        mlp_ratio: float = 4.0,
-        output: str = "cls",
+        patch_size: SIZE,
+        width: SIZE,
+        layers: SIZE,
+        heads: SIZE,
+        mlp_ratio: RATIO = 4.0,
+        output: Annotated[str, OneOf(OUTPUTS)] = "cls",
         num_points: int | None = None,
-        weights: str | None = None,
-        weight_scale: float = 1.0,
+        weights: WEIGHT_HEAD = None,
+        weight_scale: RATIO = 1.0,
         grad_checkpointing: bool = False,
         quick_gelu: bool = False,
     ) -> None:
