@@ -160,3 +160,18 @@ def test_a_kme_weight_head_is_switched_off_with_null(registry, tower):
 def test_null_still_clears_a_text_host_setting(registry):
     recipe = load_recipe("clip@tiny", ["data.source=null"], registry=registry)
     assert recipe["data"]["source"] == ""
+
+
+# ------------------------------------------------------------------------------ NUCLR's ζ schedule
+
+
+def test_validate_refuses_a_fractional_nuclr_freeze_epochs(registry):
+    """`loss.freeze_epochs=2.5` validated, then the loss refused it once the data was sharded."""
+    errors = validate(load_recipe("nuclr@tiny", ["loss.freeze_epochs=2.5"], registry=registry), registry)
+    assert errors == ["loss.freeze_epochs: must be a whole number of epochs >= 0, got 2.5"]
+
+
+@pytest.mark.parametrize("value", ["0", "5", "5.0"])
+def test_whole_nuclr_freeze_epochs_still_validate(registry, value):
+    recipe = load_recipe("nuclr@tiny", [f"loss.freeze_epochs={value}"], registry=registry)
+    assert validate(recipe, registry) == []

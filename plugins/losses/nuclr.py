@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +82,19 @@ OFFSET_RESCALES = ("exact", "code")
 # Ranges `clipkit validate` checks (docs/plugins.md, "Declaring ranges"); the factories check them too.
 TAU = Annotated[float, POSITIVE]
 GAMMA = Annotated[float, Range(gt=0, le=1)]  # γ = 1: u is this batch's g alone (no averaging)
+
+
+@dataclass(frozen=True)
+class WholeEpochs:
+    """The constraint on ``freeze_epochs`` that ``clipkit validate`` checks: a whole number ≥ 0 (5 or
+    5.0). The factory truncates it to an int, so 2.5 would read as 2; it refuses it, but only once
+    the data is sharded (the loss needs the dataset's size)."""
+
+    def problem(self, value: Any) -> str | None:
+        problem = NON_NEGATIVE.problem(value)
+        if problem is None and isinstance(value, float) and not value.is_integer():
+            return f"must be a whole number of epochs >= 0, got {value!r}"
+        return problem
 
 
 @dataclass(frozen=True)
@@ -550,7 +563,7 @@ class NUCLRLoss(CompositionalContrastive):
         zeta_lr: Annotated[float, NON_NEGATIVE] = 5e-6,
         zeta_momentum: Annotated[float, Range(gt=0, le=1)] = 0.9,
         zeta_lr_image_scale: Annotated[float, NON_NEGATIVE] = 0.1,
-        freeze_epochs: Annotated[float, NON_NEGATIVE] = 5,
+        freeze_epochs: Annotated[float, WholeEpochs()] = 5,
         epochs: Annotated[int | None, Range(ge=1)] = None,
         total_steps: int | None = None,
         batch_size: int | None = None,
