@@ -227,3 +227,28 @@ def test_the_recipe_schema_in_the_docs_shows_every_host_setting():
 
     shown = set().union(*(keys(schema[section], f"{section}.") for section in ("data", "model", "train")))
     assert not host_settings() - shown, f"settings the schema leaves out: {sorted(host_settings() - shown)}"
+
+
+def runs_without_their_command(path: Path) -> list[str]:
+    """``runs/NAME`` a Python block of ``path`` loads by a literal ``"runs/NAME/export"`` path
+    that no command of the same doc trains with ``--run-dir runs/NAME`` (without it a run goes to
+    ``runs/<recipe>-<time>``, so the copied snippet finds nothing there)."""
+    text = path.read_text(encoding="utf-8")
+    pattern = re.compile(r'"runs/([\w.-]+)/export"')
+    loaded = {name for _, block in blocks(path, ("python",)) for name in pattern.findall(block)}
+    return sorted(name for name in loaded if f"--run-dir runs/{name}" not in text)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
+def test_a_run_a_python_snippet_loads_is_one_the_doc_trains(path):
+    assert not runs_without_their_command(path), "add --run-dir runs/NAME to the command that trains it"
+
+
+def test_the_run_check_catches_a_run_no_command_makes(tmp_path):
+    doc = tmp_path / "doc.md"
+    snippet = '```python\nclipkit.load("runs/clip-tiny/export")\n```\n'
+    doc.write_text("```bash\nclipkit train clip@tiny\n```\n" + snippet, encoding="utf-8")
+    assert runs_without_their_command(doc) == ["clip-tiny"]
+    trained = "```bash\nclipkit train clip@tiny --run-dir runs/clip-tiny\n```\n"
+    doc.write_text(trained + snippet, encoding="utf-8")
+    assert runs_without_their_command(doc) == []
