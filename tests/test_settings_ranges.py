@@ -67,6 +67,17 @@ def test_validate_refuses_out_of_range_settings_naming_the_key(app, override, me
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("override", "message"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_each_refused_setting_is_one_error(override, message):
+    """One line per bad key: `data.num_workers=-1` was refused twice, by its range and again by
+    the machine-fit check (`must be auto or an integer >= 0`)."""
+    from clipkit.contract.registry import default_registry
+
+    key = override.partition("=")[0]
+    lines = [error for error in errors_for(default_registry(), override) if error.startswith(f"{key}:")]
+    assert len(lines) == 1, lines
+
+
 @pytest.mark.parametrize("override", ["train.log_every=0", "train.checkpoint_every=0", "seed=abc"])
 def test_train_refuses_what_validate_refuses_before_doing_anything(app, in_tmp, override):
     result = runner.invoke(app, ["train", SMOKE, override, "--run-dir", "run"])

@@ -1050,7 +1050,10 @@ def _check_machine(data: Any, train: Any) -> list[str]:
 
     problems = []
     if isinstance(data, dict):
-        problems.append(check(data.get("num_workers", "auto"), "data.num_workers", 0))
+        workers = data.get("num_workers", "auto")
+        # A negative count is the schema's range error (settings_schema: NON_NEGATIVE) already.
+        if not (isinstance(workers, int) and not isinstance(workers, bool) and workers < 0):
+            problems.append(check(workers, "data.num_workers", 0))
         holdout = data.get("holdout", 0.0)
         if isinstance(holdout, (int, float)) and not 0 <= holdout < 1:
             problems.append(f"data.holdout: must be in [0, 1), got {holdout}")
